@@ -1,0 +1,65 @@
+"""What an architecture adapter says: which modules to rewrite, how to project, RoPE pairing.
+
+Every supported architecture computes attention the same way up to the RoPE
+application; an adapter names the attention class, whether per-head q/k norms
+come first (Qwen3), the RoPE pairing, and which configurations it refuses.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ArchitecturePatch:
+    """How PN-Mix rewrites the attention of one architecture.
+
+    Args:
+        model_type: the ``config.model_type`` it serves.
+        modeling_module: the transformers module defining the attention class.
+        attention_class: name of the attention ``nn.Module`` whose forward is replaced.
+        qk_norm: the module applies ``q_norm``/``k_norm`` per head before RoPE; pair
+            norms are taken after them.
+        pairing: RoPE pairing, ``"half"`` (``rotate_half``) or ``"interleaved"``.
+    """
+
+    model_type: str
+    modeling_module: str
+    attention_class: str
+    qk_norm: bool = False
+    pairing: str = "half"
+
+    @property
+    def module(self):
+        return importlib.import_module(self.modeling_module)
+
+    def attention_type(self) -> type:
+        return getattr(self.module, self.attention_class)
+
+    def check_config(self, config) -> None:
+        """Raise for configurations PN-Mix cannot serve faithfully."""
+        layer_types = getattr(config, "layer_types", None) or []
+        sliding = [i for i, kind in enumerate(layer_types) if kind != "full_attention"]
+        if sliding or (self.model_type == "mistral" and getattr(config, "sliding_window", None) is not None):
+            raise ValueError(
+                f"{self.model_type} model uses sliding-window attention (layer_types={layer_types or None}, "
+                f"sliding_window={getattr(config, 'sliding_window', None)}); PN-Mix supports full attention only. "
+                "Set config.sliding_window=None (and use_sliding_window=False) to run with full attention."
+            )
+
+    def project(self, attention: torch.nn.Module, hidden_states: torch.Tensor):
+        """Queries, keys and values ``[B, heads, T, D]`` before RoPE (after q/k norms)."""
+        shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
+        query = attention.q_proj(hidden_states).view(shape)
+        key = attention.k_proj(hidden_states).view(shape)
+        value = attention.v_proj(hidden_states).view(shape)
+        if self.qk_norm:
+            query, key = attention.q_norm(query), attention.k_norm(key)
+        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    def apply_rotary(self, query, key, cos, sin):
+        """The architecture's own RoPE."""
+        return self.module.apply_rotary_pos_emb(query, key, cos, sin)

@@ -1,0 +1,26 @@
+"""pnmix-patch: PN-Mix KV-cache quantization for Hugging Face transformers.
+
+One line, ``patch_model(model)``, rewrites the attention of Llama, Mistral, Qwen2
+and Qwen3 models so that their KV cache holds keys at ~2.26 bits (pair-norm guided
+mixed precision) and values at 2 bits. See ``README.md`` and ``shared/PNMIX_SPEC.md``.
+"""
+
+from .api import is_patched, new_cache, patch_model, unpatch_model
+from .cache import PNMixCache, PNMixLayer
+from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
+from .patches import SUPPORTED_MODEL_TYPES
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "SELECTION_CRITERIA",
+    "SUPPORTED_MODEL_TYPES",
+    "PNMixCache",
+    "PNMixConfig",
+    "PNMixLayer",
+    "is_patched",
+    "new_cache",
+    "patch_model",
+    "unpatch_model",
+]

@@ -1,0 +1,164 @@
+"""``patch_model`` / ``unpatch_model``: the one line added to an existing script.
+
+Patching a built model instance:
+
+1. replaces the ``forward`` of every attention module of the architecture with
+   :func:`~pnmix_patch.attention.pnmix_attention_forward` (instance attribute, so
+   ``unpatch_model`` restores the class's own forward exactly);
+2. wraps the decoder's ``forward`` so that a missing cache (``use_cache=True``) or
+   the empty ``DynamicCache`` that ``generate`` creates becomes a
+   :class:`~pnmix_patch.cache.PNMixCache`; ``generate`` then carries it from the
+   model's outputs, so ``generate``, pipelines and hand-written loops need no change;
+3. sets ``config._attn_implementation = "pnmix"``, registered with transformers'
+   attention and mask interfaces (the mask is the boolean SDPA mask: without a
+   registered mask function, left-padded batches would silently get no mask).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import types
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention import pnmix_attention_forward
+from .cache import PNMixCache
+from .config import PNMixConfig, resolve_config
+from .patches import get_patch
+
+ATTENTION_NAME = "pnmix"
+_STATE_ATTRIBUTE = "_pnmix_state"
+
+AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
+AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -> torch.nn.Module:
+    """Rewrite ``model``'s attention into PN-Mix attention, in place.
+
+    Args:
+        model: a transformers Llama, Mistral, Qwen2 or Qwen3 model (``*ForCausalLM`` or
+            the bare decoder).
+        config: a :class:`~pnmix_patch.PNMixConfig` or a preset name
+            (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"fp16"``).
+
+    Returns:
+        The same model. Patching again only changes the config.
+
+    Raises:
+        ValueError: unsupported architecture or configuration (sliding windows).
+    """
+    pnmix_config = resolve_config(config)
+    model_config = model.config.get_text_config(decoder=True)
+    adapter = get_patch(model_config.model_type)
+    adapter.check_config(model_config)
+    state = getattr(model, _STATE_ATTRIBUTE, None)
+    if state is not None:
+        state["config"] = pnmix_config
+        return model
+
+    attention_type = adapter.attention_type()
+    attentions = [m for m in model.modules() if isinstance(m, attention_type)]
+    if not attentions:
+        raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
+    for attention in attentions:
+        attention._pnmix_adapter = adapter
+        attention.forward = types.MethodType(pnmix_attention_forward, attention)
+
+    decoder = _decoder_of(model)
+    state = {
+        "config": pnmix_config,
+        "adapter": adapter,
+        "attentions": attentions,
+        "decoder": decoder,
+        "attn_implementation": model_config._attn_implementation,
+    }
+    decoder.forward = _cache_creating_forward(decoder, decoder.forward, state)
+    model_config._attn_implementation = ATTENTION_NAME
+    setattr(model, _STATE_ATTRIBUTE, state)
+    return model
+
+
+def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch_model`: the original forwards and attention implementation are back."""
+    state = getattr(model, _STATE_ATTRIBUTE, None)
+    if state is None:
+        return model
+    for attention in state["attentions"]:
+        del attention.forward
+        del attention._pnmix_adapter
+    del state["decoder"].forward
+    model.config.get_text_config(decoder=True)._attn_implementation = state["attn_implementation"]
+    delattr(model, _STATE_ATTRIBUTE)
+    return model
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is currently patched."""
+    return hasattr(model, _STATE_ATTRIBUTE)
+
+
+def new_cache(model: torch.nn.Module, max_cache_len: int | None = None) -> PNMixCache:
+    """An empty :class:`PNMixCache` for a patched ``model`` (its config and RoPE pairing)."""
+    state = getattr(model, _STATE_ATTRIBUTE, None)
+    if state is None:
+        raise ValueError("the model is not patched: call pnmix_patch.patch_model(model) first")
+    return PNMixCache(model.config, state["config"], state["adapter"].pairing, max_cache_len)
+
+
+def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward creates the cache (``LlamaModel`` for ``LlamaForCausalLM``)."""
+    if hasattr(model, "embed_tokens") and hasattr(model, "layers"):
+        return model
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", None)
+    if decoder is None or not hasattr(decoder, "layers"):
+        raise ValueError(f"cannot find the decoder of {type(model).__name__}")
+    return decoder
+
+
+def _cache_creating_forward(decoder, original, state):
+    """Wrap the decoder's forward so that it runs on a PN-Mix cache."""
+    parameters = list(inspect.signature(original).parameters)
+    cache_name = "cache" if "cache" in parameters else "past_key_values"
+    cache_position = parameters.index(cache_name)
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        args = list(args)
+        if len(args) > cache_position:
+            cache = args[cache_position]
+        else:
+            cache = kwargs.pop(cache_name, None)
+            # transformers >= 5.24 still accepts the old name (deprecated).
+            cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = decoder.config.use_cache
+        cache = _pnmix_cache_for(cache, use_cache, decoder.config, state)
+        if len(args) > cache_position:
+            args[cache_position] = cache
+        else:
+            kwargs[cache_name] = cache
+        return original(*args, **kwargs)
+
+    return forward
+
+
+def _pnmix_cache_for(cache, use_cache, model_config, state):
+    if isinstance(cache, PNMixCache):
+        return cache
+    if cache is None:
+        return PNMixCache(model_config, state["config"], state["adapter"].pairing) if use_cache else None
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+        return PNMixCache(model_config, state["config"], state["adapter"].pairing)
+    if isinstance(cache, Cache):
+        raise TypeError(
+            f"a PN-Mix patched model cannot use a {type(cache).__name__} "
+            f"(holding {cache.get_seq_length()} tokens): pass no cache, an empty DynamicCache, or a PNMixCache"
+        )
+    raise TypeError(f"cache must be a transformers Cache or None, got {type(cache).__name__}")

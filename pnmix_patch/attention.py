@@ -1,0 +1,105 @@
+"""PN-Mix attention: the forward that replaces a patched model's attention modules.
+
+The replacement keeps the module's own projections, q/k norms and RoPE (the
+architecture adapter in ``pnmix_patch.patches`` says how), then hands the
+post-RoPE queries, keys and values to the layer's :class:`~pnmix_patch.cache.PNMixLayer`,
+which attends and appends. Without a cache (``use_cache=False``) it is exact
+attention.
+
+:func:`cache_attention` is the reference: it dequantizes the packed groups on the
+fly (float32) and runs a masked softmax over sinks, quantized groups, residual and
+the new chunk. The Triton decode kernel is tested against it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def _segment_mask(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """Bool ``[B, size]``: slot j of sequence b holds a token (j < lengths[b])."""
+    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
+
+
+def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Float32 softmax attention with GQA.
+
+    ``query [B, Hq, T, D]``, ``keys/values [B, H, S, D]``, ``allowed`` bool broadcastable to
+    ``[B, 1, T, S]``. Rows with no allowed key return zeros.
+    """
+    batch, query_heads, chunk, head_dim = query.shape
+    kv_heads = keys.shape[1]
+    grouped = query.float().view(batch, kv_heads, query_heads // kv_heads, chunk, head_dim)
+    logits = torch.einsum("bhgtd,bhsd->bhgts", grouped, keys.float()) * scaling
+    logits = logits.masked_fill(~allowed.unsqueeze(1), NEG_INF)
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    output = torch.einsum("bhgts,bhsd->bhgtd", weights, values.float())
+    return output.reshape(batch, query_heads, chunk, head_dim)
+
+
+def cache_attention(layer, query, key, value, valid, scaling) -> torch.Tensor:
+    """Reference attention of ``query`` over ``layer``'s cache plus the chunk ``key/value``.
+
+    The chunk is attended exactly and causally (a padding key is never attended);
+    cached tokens are all visible. Output ``[B, Hq, T, D]`` in the query dtype.
+    """
+    chunk = key.shape[2]
+    quantized_keys, quantized_values = layer.quantized_keys_values()
+    keys = torch.cat([layer.sink_keys.float(), quantized_keys, layer.residual_keys.float(), key.float()], dim=2)
+    values = torch.cat([layer.sink_values.float(), quantized_values, layer.residual_values.float(), value.float()], dim=2)
+    cached = torch.cat(
+        [
+            _segment_mask(layer.sink_len, layer.sink_keys.shape[2]),
+            _segment_mask(layer.num_groups * layer.config.key_group_size, quantized_keys.shape[2]),
+            _segment_mask(layer.residual_len, layer.residual_keys.shape[2]),
+        ],
+        dim=1,
+    )
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+    chunk_allowed = causal[None] & valid[:, None, :]
+    allowed = torch.cat([cached[:, None, :].expand(-1, chunk, -1), chunk_allowed], dim=2)
+    return masked_attention(query, keys, values, allowed[:, None], scaling).to(query.dtype)
+
+
+def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
+    """Which tokens of the new chunk are real, from transformers' 4D boolean mask.
+
+    The last query row of a left-padded batch is a real token that may attend every
+    real key, so its last ``chunk`` columns mark the chunk's real tokens.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4:
+        raise ValueError(f"PN-Mix attention expects a 4D attention mask or None, got shape {tuple(attention_mask.shape)}")
+    row = attention_mask[:, 0, -1, -chunk:]
+    valid = row if row.dtype == torch.bool else row == 0
+    return valid.expand(batch, chunk).to(device)
+
+
+def pnmix_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs):
+    """Forward of a patched attention module (bound to the module by ``patch_model``)."""
+    cache = cache if cache is not None else past_key_values
+    adapter = self._pnmix_adapter
+    query, key, value = adapter.project(self, hidden_states)
+    cos, sin = position_embeddings
+    query, key = adapter.apply_rotary(query, key, cos, sin)
+    batch, chunk = hidden_states.shape[:2]
+    valid = chunk_validity(attention_mask, batch, chunk, hidden_states.device)
+    if cache is None:
+        if valid is None:
+            valid = torch.ones(batch, chunk, dtype=torch.bool, device=hidden_states.device)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
+        allowed = (causal[None] & valid[:, None, :])[:, None]
+        output = masked_attention(query, key, value, allowed, self.scaling).to(query.dtype)
+    else:
+        layer = cache.layers[self.layer_idx]
+        if not hasattr(layer, "attend"):
+            raise TypeError(
+                f"a PN-Mix patched model needs a PNMixCache, got {type(cache).__name__} with a {type(layer).__name__} "
+                f"at layer {self.layer_idx}; pass no cache (one is created) or a pnmix_patch.PNMixCache"
+            )
+        output = layer.attend(query, key, value, valid, self.scaling)
+    output = output.transpose(1, 2).reshape(batch, chunk, -1)
+    return self.o_proj(output), None

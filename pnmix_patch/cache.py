@@ -1,0 +1,396 @@
+"""The PN-Mix KV cache: a transformers ``Cache`` whose layers hold packed integers.
+
+Token regions of every sequence ``b`` (``shared/PNMIX_SPEC.md`` section 3)::
+
+    [ sinks: first N_s tokens, 16-bit ][ quantized groups of G tokens ][ residual: 1..N newest, 16-bit ]
+
+- Only real tokens are stored: left padding is dropped on the way in, so a
+  quantization group never includes padding and never mixes sequences; every
+  sequence has its own ``sink_len``, ``num_groups`` and ``residual_len``
+  (int32 device tensors, read by the kernels).
+- The residual buffer is flushed (quantized into ``N / G`` new groups) when it is
+  full and another token arrives; it therefore always holds the 1..N most recent
+  tokens. The ``fp16`` preset never flushes: the residual just grows.
+- Pairs are selected once per sequence, from the first chunk holding real tokens
+  (the prompt), and stored as a packed bit mask ``[B, H, ceil(D/64)]`` int32.
+
+Attention through a layer (:meth:`PNMixLayer.attend`) is: flush full residual
+buffers of sequences receiving tokens; attend over the cache plus the new chunk's
+exact keys and values (causal within the chunk, so prefill is exact attention);
+append the chunk. A decode step therefore sees sinks, quantized groups and the
+residual including its own token.
+
+Nothing dequantized is kept between steps: the reference attention dequantizes
+on the fly, the Triton kernel reads codes in registers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from .config import PNMixConfig, resolve_config
+from .quantize import channel_order, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .selection import PAIRINGS, pack_mask, pair_scores, pairs_to_channels, select_top_pairs, unpack_mask
+
+_STATE = (
+    "sink_keys", "sink_values", "sink_len",
+    "residual_keys", "residual_values", "residual_len",
+    "key_codes_high", "key_codes_low", "key_scale", "key_zero",
+    "value_codes", "value_scale", "value_zero", "num_groups",
+    "pair_mask_bits", "selected",
+)  # fmt: skip
+
+
+class PNMixLayer(CacheLayerMixin):
+    """One decoder layer's PN-Mix cache (see the module docstring for the layout)."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
+        super().__init__()
+        if pairing not in PAIRINGS:
+            raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
+        self.config = config
+        self.pairing = pairing
+        self.max_cache_len = max_cache_len
+        self.seen_tokens = 0  # positions consumed, padding included (what transformers counts)
+
+    # ----------------------------------------------------------------- set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, head_dim = key_states.shape
+        if not key_states.is_floating_point() or key_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"PN-Mix caches float16, bfloat16 or float32 keys, got {key_states.dtype}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} has no RoPE pairs: allowed an even head dim")
+        cfg = self.config
+        if cfg.quantize and head_dim % 32:
+            raise ValueError(f"head_dim={head_dim} cannot be bit-packed: allowed a multiple of 32")
+        self.batch_size, self.num_heads, self.head_dim = batch, heads, head_dim
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.num_high = 2 * cfg.num_selected_pairs(head_dim) if cfg.quantize else head_dim
+        self.value_group = cfg.value_group(head_dim) if cfg.quantize else head_dim
+        residual_capacity = cfg.residual_tokens if cfg.quantize else 0
+
+        def floats(*shape):
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        def ints(*shape, dtype=torch.int32):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+
+        scale_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
+        words = cfg.key_group_size // 32
+        self.sink_keys, self.sink_values = floats(batch, heads, cfg.sink_tokens, head_dim), floats(batch, heads, cfg.sink_tokens, head_dim)
+        self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
+        self.residual_values = floats(batch, heads, residual_capacity, head_dim)
+        self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
+        self.key_codes_high = ints(batch, heads, 0, cfg.key_bits_high, words, self.num_high)
+        self.key_codes_low = ints(batch, heads, 0, cfg.key_bits_low, words, head_dim - self.num_high)
+        self.key_scale = torch.zeros(batch, heads, 0, head_dim, dtype=scale_dtype, device=self.device)
+        self.key_zero = torch.zeros_like(self.key_scale)
+        self.value_codes = ints(batch, heads, 0, cfg.value_bits, head_dim // 32)
+        self.value_scale = torch.zeros(batch, heads, 0, head_dim // self.value_group, dtype=scale_dtype, device=self.device)
+        self.value_zero = torch.zeros_like(self.value_scale)
+        self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
+        self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        self.is_initialized = True
+
+    # ------------------------------------------------------------ transformers API
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "A PN-Mix cache layer is read and written by PN-Mix attention (PNMixLayer.attend), which returns the "
+            "attention output directly; it never hands full key/value tensors back. Patch the model with "
+            "pnmix_patch.patch_model(model) instead of using this cache with unpatched attention."
+        )
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1 if self.max_cache_len is None else self.max_cache_len
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def reset(self) -> None:
+        self.seen_tokens = 0
+        self.is_initialized = False
+        for name in _STATE:
+            if hasattr(self, name):
+                delattr(self, name)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            for name in _STATE:
+                setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
+            self.batch_size = self.sink_len.shape[0]
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def selected_pairs(self) -> torch.Tensor:
+        """Selected-pair mask, bool ``[batch, kv_heads, head_dim // 2]``."""
+        return unpack_mask(self.pair_mask_bits, self.head_dim // 2)
+
+    @property
+    def channel_mask(self) -> torch.Tensor:
+        """Channels stored at ``key_bits_high``, bool ``[batch, kv_heads, head_dim]``."""
+        return pairs_to_channels(self.selected_pairs, self.pairing)
+
+    @property
+    def group_capacity(self) -> int:
+        return self.key_scale.shape[2]
+
+    # ---------------------------------------------------------------- attend
+    def attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        valid: torch.Tensor | None,
+        scaling: float,
+    ) -> torch.Tensor:
+        """Attention of a chunk of queries over this cache, then append the chunk.
+
+        Args:
+            query: ``[B, Hq, T, D]``, post-RoPE.
+            key, value: ``[B, H, T, D]``, post-RoPE keys of the same chunk.
+            valid: bool ``[B, T]`` (False = padding) or None when all tokens are real.
+            scaling: softmax scale.
+        Returns:
+            ``[B, Hq, T, D]`` in the query dtype; rows of padding queries are zero.
+        """
+        chunk = key.shape[2]
+        if self.max_cache_len is not None and self.seen_tokens + chunk > self.max_cache_len:
+            raise ValueError(
+                f"the PN-Mix cache holds at most max_cache_len={self.max_cache_len} positions; "
+                f"{self.seen_tokens} are cached and {chunk} more were given"
+            )
+        if not self.is_initialized:
+            self.lazy_initialization(key, value)
+        if key.shape[0] != self.batch_size:
+            raise ValueError(f"batch size {key.shape[0]} does not match the cache's batch size {self.batch_size}")
+        if valid is None:
+            valid = torch.ones(key.shape[0], chunk, dtype=torch.bool, device=key.device)
+        incoming = valid.sum(1).to(torch.int32)
+        self._select_pairs(query, key, valid, incoming)
+        # A full residual buffer is flushed before a token is added to it.
+        self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
+        from .attention import cache_attention  # the attention reads this layer's state
+
+        output = cache_attention(self, query, key, value, valid, scaling)
+        self._append(key, value, valid, incoming)
+        self.seen_tokens += chunk
+        return output
+
+    @property
+    def residual_capacity(self) -> int:
+        return self.residual_keys.shape[2] if self.config.quantize else -1
+
+    def _select_pairs(self, query, key, valid, incoming) -> None:
+        if not self.config.quantize:
+            return
+        pending = incoming.gt(0) & ~self.selected
+        if not bool(pending.any()):
+            return
+        scores = pair_scores(query, key, valid, self.config.selection, self.pairing)
+        new_bits = pack_mask(select_top_pairs(scores, self.num_high // 2))
+        self.pair_mask_bits = torch.where(pending[:, None, None], new_bits, self.pair_mask_bits)
+        self.selected = self.selected | pending
+
+    def _append(self, key, value, valid, incoming) -> None:
+        batch, heads, chunk, head_dim = key.shape
+        # Move each sequence's real tokens to the front of the chunk (stable: order kept).
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        index = order[:, None, :, None].expand(-1, heads, -1, head_dim)
+        key, value = key.gather(2, index), value.gather(2, index)
+        positions = torch.arange(chunk, device=key.device)
+
+        # Sinks take the first real tokens until N_s are held.
+        to_sinks = torch.minimum(self.config.sink_tokens - self.sink_len, incoming)
+        rows, cols = torch.nonzero(positions[None, :] < to_sinks[:, None], as_tuple=True)
+        slots = self.sink_len[rows] + cols
+        self.sink_keys[rows, :, slots] = key[rows, :, cols]
+        self.sink_values[rows, :, slots] = value[rows, :, cols]
+        self.sink_len = self.sink_len + to_sinks
+
+        # The rest streams through the residual buffer: [old residual | new tokens].
+        to_residual = incoming - to_sinks
+        total = self.residual_len + to_residual
+        if not self.config.quantize:
+            flushed = torch.zeros_like(total)
+            capacity = int(total.max())
+        else:
+            capacity = self.config.residual_tokens
+            # Flush whole buffers while more than N tokens remain, keeping the newest 1..N.
+            flushed = torch.where(to_residual > 0, (total - 1).clamp_min(0) // capacity * capacity, 0)
+        stream_len = max(int(total.max()), self.residual_keys.shape[2])
+        stream_k = key.new_zeros(batch, heads, stream_len, head_dim)
+        stream_v = value.new_zeros(batch, heads, stream_len, head_dim)
+        stream_k[:, :, : self.residual_keys.shape[2]] = self.residual_keys
+        stream_v[:, :, : self.residual_values.shape[2]] = self.residual_values
+        rows, cols = torch.nonzero(positions[None, :] < to_residual[:, None], as_tuple=True)
+        slots = self.residual_len[rows] + cols
+        stream_k[rows, :, slots] = key[rows, :, to_sinks[rows] + cols]
+        stream_v[rows, :, slots] = value[rows, :, to_sinks[rows] + cols]
+
+        if bool(flushed.gt(0).any()):
+            self._flush(stream_k, stream_v, flushed.gt(0), flushed)
+        keep = (flushed[:, None] + torch.arange(capacity, device=key.device)).clamp_max(stream_len - 1)
+        keep = keep[:, None, :, None].expand(-1, heads, -1, head_dim)
+        self.residual_keys, self.residual_values = stream_k.gather(2, keep), stream_v.gather(2, keep)
+        self.residual_len = total - flushed
+
+    def _flush(self, keys, values, rows_mask, counts=None) -> None:
+        """Quantize the first ``counts[b]`` tokens (default: the whole buffer) of ``keys/values[b]``
+        into new groups of every sequence ``b`` in ``rows_mask``; shift the buffers if they are the residual."""
+        if not self.config.quantize or not bool(rows_mask.any()):
+            return
+        cfg = self.config
+        group = cfg.key_group_size
+        rows = torch.nonzero(rows_mask, as_tuple=True)[0]
+        if counts is None:
+            counts = torch.where(rows_mask, self.residual_len, 0)
+        longest = int(counts.max())
+        block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
+        codes_high, codes_low, key_scale, key_zero = quantize_keys(
+            block_k, self.channel_mask[rows], self.num_high, group, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction
+        )
+        value_codes, value_scale, value_zero = quantize_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction)
+
+        new_groups = counts[rows] // group
+        self._reserve_groups(int((self.num_groups[rows] + new_groups).max()))
+        group_rows, group_cols = torch.nonzero(torch.arange(longest // group, device=keys.device)[None] < new_groups[:, None], as_tuple=True)
+        target_rows, target_groups = rows[group_rows], self.num_groups[rows][group_rows] + group_cols
+        self.key_codes_high[target_rows, :, target_groups] = codes_high[group_rows, :, group_cols]
+        self.key_codes_low[target_rows, :, target_groups] = codes_low[group_rows, :, group_cols]
+        self.key_scale[target_rows, :, target_groups] = key_scale[group_rows, :, group_cols]
+        self.key_zero[target_rows, :, target_groups] = key_zero[group_rows, :, group_cols]
+        token_offsets = torch.arange(group, device=keys.device)
+        target_tokens = (target_groups * group)[:, None] + token_offsets
+        source_tokens = (group_cols * group)[:, None] + token_offsets
+        target_rows_t, group_rows_t = target_rows[:, None].expand_as(target_tokens), group_rows[:, None].expand_as(target_tokens)
+        self.value_codes[target_rows_t, :, target_tokens] = value_codes[group_rows_t, :, source_tokens]
+        self.value_scale[target_rows_t, :, target_tokens] = value_scale[group_rows_t, :, source_tokens]
+        self.value_zero[target_rows_t, :, target_tokens] = value_zero[group_rows_t, :, source_tokens]
+        self.num_groups = self.num_groups + torch.zeros_like(self.num_groups).index_put((rows,), new_groups)
+        if keys is self.residual_keys:
+            self.residual_len = torch.where(rows_mask, 0, self.residual_len)
+
+    def _reserve_groups(self, needed: int) -> None:
+        """Grow the packed storage to hold ``needed`` groups per sequence."""
+        extra = needed - self.group_capacity
+        if extra <= 0:
+            return
+        group = self.config.key_group_size
+
+        def grow(tensor, dim_extra):
+            shape = list(tensor.shape)
+            shape[2] = dim_extra
+            return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
+
+        self.key_codes_high, self.key_codes_low = grow(self.key_codes_high, extra), grow(self.key_codes_low, extra)
+        self.key_scale, self.key_zero = grow(self.key_scale, extra), grow(self.key_zero, extra)
+        self.value_codes = grow(self.value_codes, extra * group)
+        self.value_scale, self.value_zero = grow(self.value_scale, extra * group), grow(self.value_zero, extra * group)
+
+    # ---------------------------------------------------------------- reading
+    def quantized_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized float32 keys and values of the quantized region, ``[B, H, groups*G, D]``
+        (transient, for the reference attention and for tests)."""
+        if self.group_capacity == 0:
+            empty = torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
+            return empty, empty
+        keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.channel_mask)
+        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero)
+        return keys, values
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes held by each part of this layer (0 before the first token)."""
+        if not self.is_initialized:
+            return dict.fromkeys(MEMORY_PARTS, 0) | {"quantized_elements": 0}
+
+        def size(*names):
+            return sum(getattr(self, n).numel() * getattr(self, n).element_size() for n in names)
+
+        return {
+            "sinks": size("sink_keys", "sink_values"),
+            "residual": size("residual_keys", "residual_values"),
+            "packed_keys": size("key_codes_high", "key_codes_low"),
+            "packed_values": size("value_codes"),
+            "key_scales_zeros": size("key_scale", "key_zero"),
+            "value_scales_zeros": size("value_scale", "value_zero"),
+            "masks": size("pair_mask_bits") if 0 < self.num_high < self.head_dim else 0,
+            "lengths": size("sink_len", "residual_len", "num_groups", "selected"),
+            # element slots of the quantized region (per keys, and per values)
+            "quantized_elements": self.batch_size * self.num_heads * self.group_capacity * self.config.key_group_size * self.head_dim,
+        }
+
+
+MEMORY_PARTS = (
+    "sinks", "residual", "packed_keys", "packed_values", "key_scales_zeros", "value_scales_zeros", "masks", "lengths",
+)  # fmt: skip
+
+
+def summarize_memory(parts: dict[str, int]) -> dict:
+    """Add ``total_bytes`` and bits per quantized element to summed per-part byte counts."""
+    report = {name: parts[name] for name in MEMORY_PARTS}
+    report["scales_zeros"] = parts["key_scales_zeros"] + parts["value_scales_zeros"]
+    report["total_bytes"] = sum(parts[name] for name in MEMORY_PARTS)
+    elements = parts["quantized_elements"]
+    report["quantized_elements"] = elements
+    report["key_bits_per_element"] = (
+        8 * (parts["packed_keys"] + parts["key_scales_zeros"] + parts["masks"]) / elements if elements else math.nan
+    )
+    report["value_bits_per_element"] = (
+        8 * (parts["packed_values"] + parts["value_scales_zeros"]) / elements if elements else math.nan
+    )
+    return report
+
+
+class PNMixCache(Cache):
+    """A transformers ``Cache`` of :class:`PNMixLayer` s, one per decoder layer.
+
+    Args:
+        model_config: the model's ``PretrainedConfig`` (for the number of layers and
+            ``max_position_embeddings``).
+        config: a :class:`PNMixConfig` or preset name.
+        pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
+        max_cache_len: positions the cache accepts (default: the model's
+            ``max_position_embeddings``); more raises ``ValueError``.
+    """
+
+    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
+        self.pnmix_config = resolve_config(config)
+        text_config = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+        if max_cache_len is None:
+            max_cache_len = getattr(text_config, "max_position_embeddings", None)
+        self.max_cache_len = max_cache_len
+        layers = [PNMixLayer(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
+        super().__init__(layers=layers)
+
+    def memory_report(self) -> dict:
+        """Bytes really held by each part, summed over layers, and bits per quantized element.
+
+        Keys: ``sinks``, ``residual``, ``packed_keys``, ``packed_values``,
+        ``key_scales_zeros``, ``value_scales_zeros`` (and their sum ``scales_zeros``),
+        ``masks``, ``lengths``, ``total_bytes``, ``quantized_elements``,
+        ``key_bits_per_element`` and ``value_bits_per_element`` (NaN while nothing is
+        quantized). Bits are storage bytes over the element slots of the quantized
+        region; key bits include the selected-pair masks.
+        """
+        totals = dict.fromkeys((*MEMORY_PARTS, "quantized_elements"), 0)
+        for layer in self.layers:
+            for name, value in layer.memory_bytes().items():
+                totals[name] += value
+        return summarize_memory(totals)

@@ -1,0 +1,208 @@
+"""Reference quantizers and bit packing: the packed layout every kernel reads.
+
+Everything here is plain PyTorch and reads like ``shared/PNMIX_SPEC.md`` section 3.
+The Triton kernels in ``pnmix_patch.kernels`` produce and consume exactly these
+tensors and are tested against these functions.
+
+Asymmetric min-max quantization of a group ``x`` to ``b`` bits::
+
+    scale = (max - min) / (2**b - 1),  zero = min
+    code  = clamp(round((x - zero) / scale), 0, 2**b - 1)
+    x_hat = zero + code * scale
+
+1-bit midpoint correction: plain 1-bit reconstructs only {min, max}. With the
+correction the two levels are ``min + 0.25 * range`` and ``min + 0.75 * range``;
+it is stored as ``zero = min + 0.25 * range, scale = 0.5 * range`` so that every
+reader (reference or kernel) reconstructs with the same ``zero + code * scale``.
+The code is the nearest level, i.e. ``x >= min + range / 2``.
+
+Scales and zeros are stored in a 16-bit float (bf16 for bf16 models, fp16
+otherwise); codes are computed from the *stored* 16-bit scale and zero so that
+packing and reading agree exactly.
+
+Edge cases (decided here, tested in ``tests/test_quantize.py``):
+
+- a constant group (zero range) has ``scale = 0``: every code is 0 and reads back
+  exactly as ``zero``; no division by zero;
+- a group holding inf or NaN gets ``scale = zero = NaN``: the whole group reads
+  back NaN, like unquantized attention over a non-finite key would, never as
+  finite garbage.
+
+Bit packing (bit planes): ``b``-bit codes along an axis of length ``n`` (a multiple
+of 32) are stored as ``b`` planes of ``n / 32`` int32 words; bit ``t % 32`` of word
+``t // 32`` of plane ``p`` is bit ``p`` of code ``t``. Any width packs exactly
+(3 bits cost 3 bits), and a reader rebuilds a code with shifts and masks.
+
+Packed cache layout (per layer; ``C_hi = 2 * selected pairs``, ``C_lo = D - C_hi``;
+channels of a head are stored *selected first*, each part in increasing channel
+order, see :func:`channel_order`):
+
+=====================  =========================================  =======
+tensor                 shape                                      dtype
+=====================  =========================================  =======
+key codes, selected    ``[B, H, groups, b_H, G/32, C_hi]``        int32
+key codes, others      ``[B, H, groups, b_L, G/32, C_lo]``        int32
+key scale / zero       ``[B, H, groups, D]`` (stored order)       16-bit
+value codes            ``[B, H, groups*G, b_V, D/32]``            int32
+value scale / zero     ``[B, H, groups*G, D/Gv]``                 16-bit
+=====================  =========================================  =======
+
+Keys are packed along tokens (quantized per channel), values along channels
+(quantized per token), so a 32-token tile of keys is one row of words.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORD_BITS = 32
+
+
+def scale_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """16-bit float used for scales and zeros of a cache in ``dtype``."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+
+
+def minmax_params(
+    x: torch.Tensor, bits: int, dim: int, midpoint_correction: bool, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero of asymmetric min-max quantization of ``x`` over ``dim`` (kept, size 1)."""
+    x = x.float()
+    low = x.amin(dim, keepdim=True)
+    high = x.amax(dim, keepdim=True)
+    value_range = high - low
+    if bits == 1 and midpoint_correction:
+        zero, scale = low + 0.25 * value_range, 0.5 * value_range
+    else:
+        zero, scale = low, value_range / (2**bits - 1)
+    finite = torch.isfinite(x).all(dim, keepdim=True)
+    nan = torch.tensor(float("nan"), device=x.device)
+    return torch.where(finite, scale, nan).to(scale_dtype), torch.where(finite, zero, nan).to(scale_dtype)
+
+
+def encode(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes (int32) of ``x`` for the given (broadcastable) stored scale and zero."""
+    scale, zero = scale.float(), zero.float()
+    inverse = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    codes = torch.round((x.float() - zero) * inverse).clamp_(0, 2**bits - 1)
+    return torch.nan_to_num(codes, nan=0.0).to(torch.int32)
+
+
+def decode(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Reconstruction ``zero + code * scale`` in float32."""
+    return zero.float() + codes.float() * scale.float()
+
+
+def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack ``codes[..., n]`` (n a multiple of 32) into bit planes ``int32[..., bits, n/32]``."""
+    n = codes.shape[-1]
+    if n % WORD_BITS:
+        raise ValueError(f"cannot pack {n} codes: allowed a multiple of {WORD_BITS}")
+    words = codes.to(torch.int64).reshape(*codes.shape[:-1], 1, n // WORD_BITS, WORD_BITS)
+    planes = torch.arange(bits, device=codes.device).view(bits, 1, 1)
+    positions = torch.arange(WORD_BITS, device=codes.device)
+    packed = (((words >> planes) & 1) << positions).sum(-1)
+    # Reinterpret the unsigned 32-bit value as int32 (two's complement).
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``int32[..., bits, n/32]`` to codes ``int32[..., n]``."""
+    bits, words = packed.shape[-2], packed.shape[-1]
+    positions = torch.arange(WORD_BITS, device=packed.device)
+    planes = torch.arange(bits, device=packed.device).view(bits, 1, 1)
+    bit_values = (packed.to(torch.int64).unsqueeze(-1) >> positions) & 1
+    codes = (bit_values << planes).sum(-3)
+    return codes.reshape(*packed.shape[:-2], words * WORD_BITS).to(torch.int32)
+
+
+def channel_order(channel_mask: torch.Tensor) -> torch.Tensor:
+    """Storage order of a head's channels: selected channels first, each part ascending.
+
+    ``channel_mask`` is bool ``[..., D]``; returns int64 ``[..., D]`` such that
+    ``stored = original.gather(-1, order)``.
+    """
+    return torch.argsort((~channel_mask).to(torch.int8), dim=-1, stable=True)
+
+
+def quantize_keys(
+    keys: torch.Tensor,
+    channel_mask: torch.Tensor,
+    num_high: int,
+    group_size: int,
+    bits_high: int,
+    bits_low: int,
+    midpoint_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize keys per channel over groups of ``group_size`` tokens.
+
+    Args:
+        keys: ``[B, H, T, D]`` with ``T`` a multiple of ``group_size``.
+        channel_mask: bool ``[B, H, D]``, True for channels of selected pairs; exactly
+            ``num_high`` True per head.
+    Returns:
+        ``(codes_high [B, H, T/G, b_H, G/32, C_hi], codes_low [B, H, T/G, b_L, G/32, C_lo],
+        scale [B, H, T/G, D], zero [B, H, T/G, D])``, channels in :func:`channel_order`.
+    """
+    batch, heads, tokens, head_dim = keys.shape
+    groups = tokens // group_size
+    order = channel_order(channel_mask)
+    stored = keys.gather(-1, order.unsqueeze(2).expand(-1, -1, tokens, -1))
+    stored = stored.reshape(batch, heads, groups, group_size, head_dim)
+    scale_dtype = scale_dtype_for(keys.dtype)
+    codes, scales, zeros = [], [], []
+    for part, bits in ((stored[..., :num_high], bits_high), (stored[..., num_high:], bits_low)):
+        scale, zero = minmax_params(part, bits, 3, midpoint_correction, scale_dtype)
+        # Pack along tokens: move G last, pack, then put channels innermost.
+        part_codes = encode(part, scale, zero, bits).transpose(-1, -2)
+        codes.append(pack_bits(part_codes, bits).permute(0, 1, 2, 4, 5, 3).contiguous())
+        scales.append(scale.squeeze(3))
+        zeros.append(zero.squeeze(3))
+    return codes[0], codes[1], torch.cat(scales, -1), torch.cat(zeros, -1)
+
+
+def dequantize_keys(
+    codes_high: torch.Tensor,
+    codes_low: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    channel_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 keys ``[B, H, groups*G, D]`` in the original channel order."""
+    num_high = codes_high.shape[-1]
+    parts = []
+    for codes, part_scale, part_zero in (
+        (codes_high, scale[..., :num_high], zero[..., :num_high]),
+        (codes_low, scale[..., num_high:], zero[..., num_high:]),
+    ):
+        # [B, H, n, bits, G/32, C] -> codes [B, H, n, C, G] -> [B, H, n, G, C]
+        unpacked = unpack_bits(codes.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2)
+        parts.append(decode(unpacked, part_scale.unsqueeze(3), part_zero.unsqueeze(3)))
+    stored = torch.cat(parts, -1)
+    batch, heads, groups, group_size, head_dim = stored.shape
+    stored = stored.reshape(batch, heads, groups * group_size, head_dim)
+    order = channel_order(channel_mask).unsqueeze(2).expand(-1, -1, groups * group_size, -1)
+    return torch.empty_like(stored).scatter_(-1, order, stored)
+
+
+def quantize_values(
+    values: torch.Tensor, bits: int, group_size: int, midpoint_correction: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize values per token over groups of ``group_size`` channels.
+
+    ``values [B, H, T, D]`` -> ``(codes [B, H, T, bits, D/32], scale [B, H, T, D/Gv], zero)``.
+    """
+    batch, heads, tokens, head_dim = values.shape
+    grouped = values.reshape(batch, heads, tokens, head_dim // group_size, group_size)
+    scale, zero = minmax_params(grouped, bits, -1, midpoint_correction, scale_dtype_for(values.dtype))
+    codes = encode(grouped, scale, zero, bits).reshape(batch, heads, tokens, head_dim)
+    return pack_bits(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Float32 values ``[B, H, T, D]`` from :func:`quantize_values` output."""
+    unpacked = unpack_bits(codes)
+    batch, heads, tokens, head_dim = unpacked.shape
+    groups = scale.shape[-1]
+    grouped = unpacked.reshape(batch, heads, tokens, groups, head_dim // groups)
+    return decode(grouped, scale.unsqueeze(-1), zero.unsqueeze(-1)).reshape(batch, heads, tokens, head_dim)

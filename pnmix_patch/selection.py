@@ -1,0 +1,117 @@
+"""Pair selection at prefill (``shared/PNMIX_SPEC.md`` section 2).
+
+For each sequence ``b``, KV head ``h`` and RoPE pair ``i``::
+
+    sigma[b, h, i] = mean_{query heads g of h}( E_t |q_{g,i}(t)| ) * E_t |k_{h,i}(t)|
+
+``E_t`` averages over the sequence's real prompt tokens (padding excluded). The top
+``round(r * D/2)`` pairs by ``sigma`` get the high bit width; the selection is a
+``[B, H, D/2]`` mask reused for the whole decode.
+
+Pairing follows the model's RoPE: ``"half"`` (Hugging Face ``rotate_half``: pair
+``i`` is channels ``(i, i + D/2)``) or ``"interleaved"`` (channels ``(2i, 2i+1)``).
+Pair norms are rotation invariant, so post-RoPE vectors give the pre-RoPE scores.
+
+The key-only criteria of the paper's comparison are here too. Channel criteria
+(``k_magnitude``: mean |k_c|, ``k_range``: max - min of k_c) score a pair as the
+sum of its two channels' scores, since storage selects whole pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PAIRINGS = ("half", "interleaved")
+
+
+def split_pairs(x: torch.Tensor, pairing: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two channels of every pair: ``x[..., D]`` -> ``(first, second)``, each ``[..., D/2]``."""
+    half = x.shape[-1] // 2
+    if pairing == "half":
+        return x[..., :half], x[..., half:]
+    if pairing == "interleaved":
+        return x[..., 0::2], x[..., 1::2]
+    raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
+
+
+def pair_norms(x: torch.Tensor, pairing: str) -> torch.Tensor:
+    """Euclidean norm of every RoPE pair: ``[..., D]`` -> float32 ``[..., D/2]``."""
+    first, second = split_pairs(x.float(), pairing)
+    return torch.sqrt(first * first + second * second)
+
+
+def pairs_to_channels(pair_mask: torch.Tensor, pairing: str) -> torch.Tensor:
+    """Expand a pair mask ``[..., D/2]`` to the channel mask ``[..., D]`` (both channels of a pair)."""
+    if pairing == "half":
+        return torch.cat([pair_mask, pair_mask], dim=-1)
+    if pairing == "interleaved":
+        return pair_mask.repeat_interleave(2, dim=-1)
+    raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
+
+
+def _token_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x [B, heads, T, P]`` over the valid tokens ``valid [B, T]``."""
+    weights = valid.to(torch.float32)[:, None, :, None]
+    count = weights.sum(2).clamp_min(1.0)
+    return (x * weights).sum(2) / count
+
+
+def pair_scores(
+    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor, criterion: str, pairing: str
+) -> torch.Tensor:
+    """Sensitivity score of every pair, float32 ``[B, H, D/2]``.
+
+    Args:
+        query: ``[B, Hq, T, D]`` (Hq a multiple of H).
+        key: ``[B, H, T, D]``.
+        valid: bool ``[B, T]``, False for padding.
+        criterion: ``qk_pair_norm`` | ``k_pair_norm`` | ``k_magnitude`` | ``k_range``.
+    """
+    batch, kv_heads = key.shape[:2]
+    if criterion in ("qk_pair_norm", "k_pair_norm"):
+        score = _token_mean(pair_norms(key, pairing), valid)
+        if criterion == "qk_pair_norm":
+            query_mean = _token_mean(pair_norms(query, pairing), valid)
+            # GQA: average the query heads that share a KV head before the product.
+            score = score * query_mean.view(batch, kv_heads, -1, score.shape[-1]).mean(2)
+        return score
+    if criterion == "k_magnitude":
+        channel_score = _token_mean(key.float().abs(), valid)
+    elif criterion == "k_range":
+        mask = valid[:, None, :, None]
+        keys = key.float()
+        high = torch.where(mask, keys, -torch.inf).amax(2)
+        low = torch.where(mask, keys, torch.inf).amin(2)
+        channel_score = torch.where(valid.any(1)[:, None, None], high - low, torch.zeros_like(high))
+    else:
+        raise ValueError(f"criterion={criterion!r} is invalid: allowed qk_pair_norm, k_pair_norm, k_magnitude, k_range")
+    first, second = split_pairs(channel_score, pairing)
+    return first + second
+
+
+def select_top_pairs(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
+    """Bool mask ``[..., P]`` with the ``num_selected`` highest-scoring pairs True.
+
+    Non-finite scores (from non-finite keys) rank lowest, so the choice stays defined.
+    """
+    scores = torch.nan_to_num(scores.float(), nan=-torch.inf)
+    mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    if num_selected:
+        mask.scatter_(-1, scores.topk(num_selected, dim=-1).indices, True)
+    return mask
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """Pack a bool mask ``[..., P]`` into int32 words ``[..., ceil(P/32)]`` (bit j%32 of word j//32)."""
+    words = -(-mask.shape[-1] // 32)
+    padded = torch.nn.functional.pad(mask.to(torch.int64), (0, words * 32 - mask.shape[-1]))
+    positions = torch.arange(32, device=mask.device)
+    packed = (padded.view(*mask.shape[:-1], words, 32) << positions).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_mask(packed: torch.Tensor, size: int) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: bool ``[..., size]``."""
+    positions = torch.arange(32, device=packed.device)
+    bits = (packed.to(torch.int64).unsqueeze(-1) >> positions) & 1
+    return bits.flatten(-2)[..., :size].bool()
