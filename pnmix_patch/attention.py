@@ -33,9 +33,13 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     kv_heads = keys.shape[1]
     grouped = query.float().view(batch, kv_heads, query_heads // kv_heads, chunk, head_dim)
     logits = torch.einsum("bhgtd,bhsd->bhgts", grouped, keys.float()) * scaling
-    logits = logits.masked_fill(~allowed.unsqueeze(1), NEG_INF)
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    output = torch.einsum("bhgts,bhsd->bhgtd", weights, values.float())
+    allowed = allowed.unsqueeze(1)
+    weights = torch.softmax(logits.masked_fill(~allowed, NEG_INF), dim=-1)
+    # A row with no allowed key is zero; NaN from a non-finite key still propagates.
+    weights = torch.where(allowed.any(-1, keepdim=True), weights, 0.0)
+    # Slots no query may read (padding, unused buffer space) must not leak NaN through 0 * NaN.
+    readable = allowed.flatten(1, 3).any(1)[:, None, :, None]
+    output = torch.einsum("bhgts,bhsd->bhgtd", weights, torch.where(readable, values.float(), 0.0))
     return output.reshape(batch, query_heads, chunk, head_dim)
 
 

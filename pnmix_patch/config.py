@@ -72,7 +72,7 @@ class PNMixConfig:
             fail("pair_ratio", self.pair_ratio, "a number in [0, 1]")
         for field in ("key_bits_high", "key_bits_low", "value_bits"):
             value = getattr(self, field)
-            if value not in SUPPORTED_BITS or isinstance(value, bool):
+            if not _positive_int(value) or value not in SUPPORTED_BITS:
                 fail(field, value, f"one of {SUPPORTED_BITS}")
         if not _positive_int(self.key_group_size) or self.key_group_size % 32:
             fail("key_group_size", self.key_group_size, "a positive multiple of 32 (bits pack into 32-bit words)")

@@ -51,9 +51,10 @@ def pairs_to_channels(pair_mask: torch.Tensor, pairing: str) -> torch.Tensor:
 
 def _token_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Mean of ``x [B, heads, T, P]`` over the valid tokens ``valid [B, T]``."""
-    weights = valid.to(torch.float32)[:, None, :, None]
-    count = weights.sum(2).clamp_min(1.0)
-    return (x * weights).sum(2) / count
+    mask = valid[:, None, :, None]
+    count = mask.sum(2).clamp_min(1)
+    # where, not a 0/1 weight: padding may hold inf or NaN, and 0 * inf is NaN.
+    return torch.where(mask, x, 0.0).sum(2) / count
 
 
 def pair_scores(
@@ -94,7 +95,8 @@ def select_top_pairs(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
 
     Non-finite scores (from non-finite keys) rank lowest, so the choice stays defined.
     """
-    scores = torch.nan_to_num(scores.float(), nan=-torch.inf)
+    scores = scores.float()
+    scores = torch.where(torch.isfinite(scores), scores, -torch.inf)
     mask = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
     if num_selected:
         mask.scatter_(-1, scores.topk(num_selected, dim=-1).indices, True)

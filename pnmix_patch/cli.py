@@ -1,0 +1,125 @@
+"""Command line: ``pnmix demo`` (also ``python -m pnmix_patch demo``).
+
+``demo`` generates a long answer with the unquantized cache and with PN-Mix on the
+same model, prints both texts, the KV-cache bytes each holds, the compression ratio,
+and the top-1 agreement: the PN-Mix model is teacher-forced along the FP16 answer and
+its next-token choice compared with the FP16 one at every step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from .api import new_cache, patch_model, unpatch_model
+from .config import PRESETS
+from .models import DEFAULT_MODEL, load_model
+
+DEMO_QUESTION = (
+    "A train leaves at 9:40 and travels 180 km at 72 km/h, then stops for 25 minutes and covers the "
+    "remaining 96 km at 64 km/h. When does it arrive? Explain every step carefully, then check the answer "
+    "by a second method."
+)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _ProgressStreamer(BaseStreamer):
+    """Advances a progress bar by one for every generated token."""
+
+    def __init__(self, total: int, description: str):
+        self.bar = tqdm(total=total, desc=description, unit="tok")
+        self.prompt_seen = False
+
+    def put(self, value):
+        if self.prompt_seen:
+            self.bar.update(1)
+        self.prompt_seen = True
+
+    def end(self):
+        self.bar.close()
+
+
+def _generate(model, inputs, tokens: int, description: str):
+    started = time.perf_counter()
+    output = model.generate(
+        **inputs,
+        max_new_tokens=tokens,
+        min_new_tokens=tokens,
+        do_sample=False,
+        return_dict_in_generate=True,
+        streamer=_ProgressStreamer(tokens, description),
+    )
+    cache = output.cache if hasattr(output, "cache") else output.past_key_values
+    return output.sequences, cache, time.perf_counter() - started
+
+
+def _dense_cache_bytes(cache) -> int:
+    return sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+
+
+@torch.no_grad()
+def _teacher_forced_agreement(model, sequence: torch.Tensor, prompt_length: int) -> float:
+    """Fraction of the FP16 answer's tokens the patched model also picks, fed the FP16 prefix."""
+    cache = new_cache(model)
+    logits = [model(sequence[:, :prompt_length], cache=cache).logits[:, -1]]
+    for position in tqdm(range(prompt_length, sequence.shape[1] - 1), desc="teacher-forced agreement", unit="tok"):
+        logits.append(model(sequence[:, position : position + 1], cache=cache).logits[:, -1])
+    chosen = torch.cat(logits).argmax(-1)
+    return (chosen == sequence[0, prompt_length:]).float().mean().item()
+
+
+def demo(args: argparse.Namespace) -> int:
+    print(f"loading {args.model} ({args.dtype}) ...", flush=True)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+    messages = [{"role": "user", "content": args.prompt}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    inputs = tokenizer(prompt, return_tensors="pt")
+    prompt_length = inputs["input_ids"].shape[1]
+
+    dense_sequence, dense_cache, dense_seconds = _generate(model, inputs, args.tokens, "FP16 generation")
+    patch_model(model, args.preset)
+    pnmix_sequence, pnmix_cache, pnmix_seconds = _generate(model, inputs, args.tokens, f"{args.preset} generation")
+    agreement = _teacher_forced_agreement(model, dense_sequence, prompt_length)
+    unpatch_model(model)
+
+    dense_bytes = _dense_cache_bytes(dense_cache)
+    report = pnmix_cache.memory_report()
+    for title, sequence in (("FP16", dense_sequence), (args.preset, pnmix_sequence)):
+        print(f"\n===== {title} answer =====")
+        print(tokenizer.decode(sequence[0, prompt_length:], skip_special_tokens=True))
+    cached = prompt_length + args.tokens - 1
+    print(f"\n===== KV cache after {cached} tokens ({args.dtype}) =====")
+    print(f"FP16 cache:   {dense_bytes:>12,d} bytes   ({dense_seconds:.1f} s to generate)")
+    print(f"{args.preset:<13} {report['total_bytes']:>12,d} bytes   ({pnmix_seconds:.1f} s to generate)")
+    for part in ("sinks", "residual", "packed_keys", "packed_values", "scales_zeros", "masks"):
+        print(f"    {part:<14}{report[part]:>12,d} bytes")
+    print(
+        f"compression ratio {dense_bytes / report['total_bytes']:.2f}x; quantized region: "
+        f"{report['key_bits_per_element']:.3f} key bits, {report['value_bits_per_element']:.3f} value bits per element"
+    )
+    print(f"top-1 agreement with FP16 along the FP16 answer: {agreement:.3f}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pnmix", description="PN-Mix KV-cache quantization for transformers")
+    commands = parser.add_subparsers(dest="command", required=True)
+    demo_parser = commands.add_parser("demo", help="generate with FP16 and PN-Mix, compare memory and tokens")
+    demo_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file, a local folder or a hub id")
+    demo_parser.add_argument("--preset", default="pnmix-1", choices=sorted(p for p in PRESETS if p != "fp16"))
+    demo_parser.add_argument("--tokens", type=int, default=384, help="tokens to generate (default 384)")
+    demo_parser.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
+    demo_parser.add_argument("--prompt", default=DEMO_QUESTION)
+    args = parser.parse_args(argv)
+    if args.tokens < 1:
+        parser.error(f"--tokens={args.tokens} is invalid: allowed a positive integer")
+    return demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

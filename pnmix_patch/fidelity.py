@@ -1,0 +1,72 @@
+"""Teacher-forced fidelity: how far a quantized cache moves the next-token distribution.
+
+The setting of ``shared/PNMIX_SPEC.md`` section 7: a text is prefilled (exact
+attention), then the following tokens are fed one at a time through the cache; the
+logits of every decode step are compared with one full-precision forward pass over
+the whole text (top-1 agreement, mean KL(full || quantized), perplexity).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from .api import new_cache, patch_model, unpatch_model
+from .config import PNMixConfig
+
+
+@torch.no_grad()
+def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of one full-precision forward pass (the model must be unpatched)."""
+    return model(input_ids, use_cache=False).logits.float()
+
+
+@torch.no_grad()
+def teacher_force(
+    model,
+    input_ids: torch.Tensor,
+    config: PNMixConfig | str,
+    prefill: int,
+    reference: torch.Tensor,
+    progress: bool = True,
+) -> dict:
+    """Prefill ``input_ids[:, :prefill]``, then feed the rest token by token through a PN-Mix cache.
+
+    Args:
+        model: an unpatched model (it is patched for the run and unpatched after).
+        input_ids: ``[1, T]`` token ids.
+        config: PN-Mix config or preset.
+        prefill: tokens processed in the first (exact-attention) forward.
+        reference: :func:`reference_logits` of ``input_ids``.
+    Returns:
+        ``top1_agreement``, ``mean_kl``, ``perplexity`` (on tokens ``prefill+1 .. T-1``),
+        ``reference_perplexity``, ``steps``, ``memory`` (the cache's memory report).
+    """
+    patch_model(model, config)
+    try:
+        cache = new_cache(model)
+        model(input_ids[:, :prefill], cache=cache, use_cache=True)
+        logits = []
+        for position in tqdm(range(prefill, input_ids.shape[1]), disable=not progress, desc=str(getattr(config, "name", config)), leave=False):
+            step = model(input_ids[:, position : position + 1], cache=cache, use_cache=True)
+            logits.append(step.logits[:, -1].float())
+        memory = cache.memory_report()
+    finally:
+        unpatch_model(model)
+    quantized = torch.cat(logits, 0)
+    full = reference[0, prefill:]
+    log_q, log_p = torch.log_softmax(quantized, -1), torch.log_softmax(full, -1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    targets = input_ids[0, prefill + 1 :]
+    nll = -log_q[:-1].gather(-1, targets[:, None]).mean()
+    reference_nll = -log_p[:-1].gather(-1, targets[:, None]).mean()
+    return {
+        "top1_agreement": (quantized.argmax(-1) == full.argmax(-1)).float().mean().item(),
+        "mean_kl": kl.mean().item(),
+        "perplexity": math.exp(nll.item()),
+        "reference_perplexity": math.exp(reference_nll.item()),
+        "steps": quantized.shape[0],
+        "memory": memory,
+    }

@@ -1,0 +1,61 @@
+"""Shared test set-up: the Triton interpreter on CPU, tiny random models of every architecture."""
+
+import os
+
+# Must precede any import of triton or of the kernels: Triton then runs on CPU tensors.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+)
+ARCHITECTURES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {}),
+}
+
+
+def tiny_model(architecture: str, seed: int = 0, **overrides):
+    """A randomly initialized float32 model of ``architecture`` with tiny shapes."""
+    config_class, model_class, extra = ARCHITECTURES[architecture]
+    torch.manual_seed(seed)
+    config = config_class(**(TINY | extra | overrides))
+    model = model_class(config).eval()
+    if architecture == "qwen2":  # q/k/v biases are zero at init: make them matter
+        with torch.no_grad():
+            for module in model.modules():
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    if hasattr(module, name):
+                        getattr(module, name).bias.normal_(0, 0.5)
+    return model
+
+
+def output_cache(output):
+    """The cache of a model or generate output (``cache`` from transformers 5.24, ``past_key_values`` before)."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
+
+
+@pytest.fixture(params=sorted(ARCHITECTURES))
+def architecture(request):
+    return request.param

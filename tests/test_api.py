@@ -1,0 +1,100 @@
+"""patch_model / unpatch_model: one line, reversible, idempotent, clear errors."""
+
+import pytest
+import torch
+from conftest import output_cache, tiny_model
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from pnmix_patch import PNMixCache, PNMixConfig, is_patched, new_cache, patch_model, unpatch_model
+
+FLUSHING = PNMixConfig(sink_tokens=4, residual_tokens=32, key_group_size=32, name="flushing")
+
+
+def padded(lengths, seed=0, vocab=96):
+    generator = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,), generator=generator)
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+def test_left_padded_batch_matches_each_sequence_alone(architecture):
+    model = tiny_model(architecture)
+    patch_model(model, FLUSHING)
+    lengths = (41, 7, 26)
+    ids, mask = padded(lengths)
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=120, do_sample=False, pad_token_id=0)
+    for row, length in enumerate(lengths):
+        alone = model.generate(ids[row : row + 1, -length:], max_new_tokens=120, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[row, -120:], alone[0, -120:]), f"sequence {row} differs in the batch"
+
+
+def test_patch_twice_is_harmless_and_unpatch_restores_exactly():
+    model = tiny_model("llama")
+    attention = model.model.layers[0].self_attn
+    original_forward = type(attention).forward
+    ids, mask = padded((20, 12))
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
+    patch_model(model)
+    patch_model(model, "kivi-2")  # only the config changes
+    assert is_patched(model) and model.config._attn_implementation == "pnmix"
+    assert isinstance(new_cache(model), PNMixCache) and new_cache(model).pnmix_config.name == "kivi-2"
+    unpatch_model(model)
+    assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert "forward" not in vars(attention) and type(attention).forward is original_forward
+    assert "forward" not in vars(model.model)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0), expected)
+    unpatch_model(model)  # unpatching an unpatched model is a no-op
+
+
+def test_sampling_generation_runs_through_the_pnmix_cache():
+    model = tiny_model("qwen3")
+    patch_model(model, FLUSHING)
+    ids, mask = padded((30, 18))
+    torch.manual_seed(0)
+    output = model.generate(
+        ids, attention_mask=mask, max_new_tokens=60, do_sample=True, top_k=20, top_p=0.95, temperature=0.6,
+        pad_token_id=0, return_dict_in_generate=True,
+    )  # fmt: skip
+    cache = output_cache(output)
+    assert isinstance(cache, PNMixCache) and int(cache.layers[0].num_groups.max()) >= 2
+
+
+def test_forward_with_user_cache_and_without_cache():
+    model = tiny_model("mistral")
+    ids = torch.randint(3, 96, (1, 50))
+    with torch.no_grad():
+        expected = model(ids).logits
+        patch_model(model, "fp16")
+        torch.testing.assert_close(model(ids, use_cache=False).logits, expected, rtol=1e-4, atol=1e-5)
+        cache = new_cache(model)
+        first = model(ids[:, :30], cache=cache).logits
+        second = model(ids[:, 30:], cache=cache).logits  # a second multi-token chunk continues the cache
+        torch.testing.assert_close(torch.cat([first, second], 1), expected, rtol=1e-4, atol=1e-5)
+        assert isinstance(output_cache(model(ids, use_cache=True)), PNMixCache)
+
+
+def test_a_filled_foreign_cache_is_refused():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 96, (1, 10))
+    filled = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, cache=filled)
+        patch_model(model)
+        with pytest.raises(TypeError, match="DynamicCache"):
+            model(ids, cache=filled)
+
+
+def test_unsupported_models_and_configs_are_named():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match=r"model_type='gpt2'.*llama.*mistral.*qwen2.*qwen3"):
+        patch_model(gpt2)
+    with pytest.raises(ValueError, match="sliding_window=16"):
+        patch_model(tiny_model("mistral", sliding_window=16))
+    with pytest.raises(ValueError, match="sliding"):
+        patch_model(tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    with pytest.raises(ValueError, match="config='pnmix-9'"):
+        patch_model(tiny_model("llama"), "pnmix-9")
