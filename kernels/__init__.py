@@ -1,0 +1,23 @@
+"""Triton kernels of PN-Mix, registered as torch custom ops in the ``pnmix`` namespace.
+
+Importing this package registers:
+
+- ``torch.ops.pnmix.pack_keys``: :func:`pnmix_patch.quantize.quantize_keys`, bit-identical;
+- ``torch.ops.pnmix.pack_values``: :func:`pnmix_patch.quantize.quantize_values`, bit-identical;
+- ``torch.ops.pnmix.decode_attention``: fused split-K decode attention over sinks,
+  packed groups and residual, reading the codes in registers.
+
+Each op runs its PyTorch reference on CPU (and any non-CUDA device) and Triton on
+CUDA, and has a fake implementation for ``torch.compile``. Each module holds one
+op (``from pnmix_patch.kernels.pack_keys import pack_keys``) and its ``triton_*``
+launcher, which tests call directly on CPU tensors under ``TRITON_INTERPRET=1``.
+The package does not re-export the ops: their names would shadow the modules.
+
+From the repository root this folder is also importable as a top-level ``kernels``
+(transformers probes that name for the Hugging Face ``kernels`` package); the ops
+are registered only under the installed name ``pnmix_patch.kernels``, so that probe
+has no side effects and no op is registered twice.
+"""
+
+if __name__ == "pnmix_patch.kernels":
+    from . import decode_attention, pack_keys, pack_values  # noqa: F401  (registers the ops)

@@ -31,8 +31,12 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .attention import cache_attention
 from .config import PNMixConfig, resolve_config
-from .quantize import channel_order, dequantize_keys, dequantize_values, quantize_keys, quantize_values
+from .kernels.decode_attention import decode_attention
+from .kernels.pack_keys import pack_keys
+from .kernels.pack_values import pack_values
+from .quantize import channel_order, dequantize_keys, dequantize_values
 from .selection import PAIRINGS, pack_mask, pair_scores, pairs_to_channels, select_top_pairs, unpack_mask
 
 _STATE = (
@@ -186,12 +190,25 @@ class PNMixLayer(CacheLayerMixin):
         self._select_pairs(query, key, valid, incoming)
         # A full residual buffer is flushed before a token is added to it.
         self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
-        from .attention import cache_attention  # the attention reads this layer's state
-
-        output = cache_attention(self, query, key, value, valid, scaling)
-        self._append(key, value, valid, incoming)
+        if chunk == 1 and self.config.quantize:
+            # Decode: the token joins the residual, then the fused op reads the packed cache
+            # (Triton on CUDA, the PyTorch reference elsewhere).
+            self._append(key, value, valid, incoming)
+            output = self._decode_attention(query[:, :, 0], scaling).unsqueeze(2)
+        else:
+            output = cache_attention(self, query, key, value, valid, scaling)
+            self._append(key, value, valid, incoming)
         self.seen_tokens += chunk
         return output
+
+    def _decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        return decode_attention(
+            query, channel_order(self.channel_mask),
+            self.sink_keys, self.sink_values, self.sink_len,
+            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
+            self.value_codes, self.value_scale, self.value_zero, self.num_groups,
+            self.residual_keys, self.residual_values, self.residual_len, scaling,
+        )  # fmt: skip
 
     @property
     def residual_capacity(self) -> int:
@@ -263,10 +280,11 @@ class PNMixLayer(CacheLayerMixin):
             counts = torch.where(rows_mask, self.residual_len, 0)
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
-        codes_high, codes_low, key_scale, key_zero = quantize_keys(
-            block_k, self.channel_mask[rows], self.num_high, group, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction
+        order = channel_order(self.channel_mask[rows])
+        codes_high, codes_low, key_scale, key_zero = pack_keys(
+            block_k, order, self.num_high, group, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction
         )
-        value_codes, value_scale, value_zero = quantize_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction)
+        value_codes, value_scale, value_zero = pack_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction)
 
         new_groups = counts[rows] // group
         self._reserve_groups(int((self.num_groups[rows] + new_groups).max()))

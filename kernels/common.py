@@ -1,0 +1,71 @@
+"""Helpers shared by the Triton kernels: the quantizer's arithmetic, step for step.
+
+The pack kernels must produce the *bit-identical* codes, scales and zeros of
+:mod:`pnmix_patch.quantize`, so these device functions repeat its float32 arithmetic
+exactly (see that module's docstring for the formulas):
+
+- ``1 / scale`` and ``range / (2**b - 1)`` use ``tl.div_rn`` (IEEE round-to-nearest),
+  not Triton's default fast division, which may differ in the last bit;
+- ``torch.round`` rounds half to even, rebuilt here from ``floor``;
+- NaN codes become 0 (``torch.nan_to_num``) and non-finite groups get NaN scale and zero;
+- kernels using :func:`encode` are launched with ``enable_fp_fusion=False``: otherwise
+  the compiler fuses ``(x - zero) * inverse + 0.5`` into one FMA, which skips the
+  rounding of the product that torch does and flips codes that sit near a tie.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_half_even(y):
+    """``torch.round`` of float32 ``y``: nearest integer, ties to even.
+
+    ``y + 0.5`` is exact for ``|y| < 2**23``; above that every float32 is already an
+    integer and callers clamp the code to ``2**bits - 1`` anyway.
+    """
+    r = tl.floor(y + 0.5)
+    odd = (r * 0.5 - tl.floor(r * 0.5)) != 0.0
+    return tl.where((r - y == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT: tl.constexpr):
+    """Float32 scale and zero of min-max quantization (``quantize.minmax_params``).
+
+    ``levels`` is ``2**bits - 1`` (float32, broadcast against ``low``; 1 means a 1-bit
+    group); ``nonfinite`` counts the inf/NaN elements of each group.
+    """
+    value_range = high - low
+    scale = tl.div_rn(value_range, levels)
+    zero = low
+    if MIDPOINT:
+        # 0.25 * range is exact, so a fused multiply-add gives the same zero as torch.
+        scale = tl.where(levels == 1.0, 0.5 * value_range, scale)
+        zero = tl.where(levels == 1.0, low + 0.25 * value_range, low)
+    scale = tl.where(nonfinite > 0, float("nan"), scale)
+    zero = tl.where(nonfinite > 0, float("nan"), zero)
+    return scale, zero
+
+
+@triton.jit
+def encode(x, scale, zero, levels):
+    """Int32 codes of float32 ``x`` for the *stored* (16-bit, widened) ``scale``/``zero``."""
+    inverse = tl.where(scale > 0.0, tl.div_rn(1.0, scale), 0.0)
+    y = (x - zero) * inverse
+    code = tl.minimum(tl.maximum(round_half_even(y), 0.0), levels)
+    # NaN (non-finite group, or 0 * inf) encodes as 0, like torch.nan_to_num.
+    return tl.where(y != y, 0.0, code).to(tl.int32)
+
+
+def nonempty(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a one-element stand-in when it is empty.
+
+    Empty tensors (no low-bit channels, no sinks, ...) may have a null data pointer,
+    which Triton refuses as an argument; the kernels never read them (every access
+    is masked or sits in a zero-trip loop), so any valid pointer does.
+    """
+    return tensor if tensor.numel() else tensor.new_zeros((1,) * tensor.dim())

@@ -1,0 +1,414 @@
+"""Fused decode attention over the PN-Mix cache: full-precision sinks, packed groups, residual.
+
+One query token per sequence. The cache of a (sequence, KV head) has three segments,
+each with its own per-sequence length read from device tensors (no host sync):
+
+- sinks ``[B, H, S, D]`` (first tokens, full precision), ``sink_len int32[B]``;
+- packed groups (``quantize.py`` layout) with ``num_groups int32[B]``: keys per channel
+  in the *stored* channel order (selected-pair channels first), values per token;
+- residual ``[B, H, R, D]`` (recent tokens, full precision), ``residual_len int32[B]``.
+
+Softmax order is irrelevant, so the kernel simply attends to all valid tokens.
+
+Flash-decoding split-K. Kernel 1 runs a grid ``(B * H, splits)``: a program serves
+the ``Hq / H`` query heads of one KV head (padded to a power-of-two block of at least
+16 rows for ``tl.dot`` and masked) and keeps an online softmax (running max ``m``,
+denominator ``l``, unnormalized output ``acc``, all float32, scores in the log2
+domain). Split ``s`` takes the ``s``-th slice of this sequence's packed chunks
+(32 tokens: one bit-plane word row of one group), split 0 also the sinks, the last
+split the residual. Kernel 2 merges the splits with log-sum-exp weights; a sequence
+with no valid token gets zeros.
+
+Packed keys are never dequantized into memory, nor even into a float key tile: with
+``k = zero + code * scale`` per stored channel,
+``q . k = (q * scale) . code + q . zero``, so the tile product runs on the exact
+small-integer codes and the per-group scale folds into the query. Values are
+rebuilt in registers (``zero + code * scale`` per token and channel group) before
+``p @ v``; value words are loaded once per token (``[tokens, words]``) and
+expanded to ``[tokens, words, 32]``, never gathered per channel. The query is
+gathered into the stored channel order for packed keys (``order``) and used as is
+for sinks, residual and values.
+
+Dot operands are in the query dtype (fp16/bf16, float32 accumulation); float32
+inputs use exact ``ieee`` dots (for tests).
+
+Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
+multiple of ``H``. Tensors may have any batch/head strides (views sliced along the
+token or group dim are read in place); below the head dim they must be contiguous,
+else they are copied.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pnmix_patch.attention import masked_attention
+from pnmix_patch.quantize import dequantize_keys, dequantize_values
+
+from .common import nonempty
+
+BLOCK_N_DENSE = 64
+"""Tokens per step over sinks and residual."""
+
+
+@triton.jit
+def _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with log2-domain ``scores [BQ, BN]`` (-inf where masked)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_dense(
+    q, m_i, l_i, acc, k_ptr, v_ptr, length, offs_d, d_mask,
+    D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Attend to ``length`` full-precision ``[tokens, D]`` rows at ``k_ptr``/``v_ptr``."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(0, length, BLOCK_N):
+        t = start + offs_n
+        mask = (t < length)[:, None] & d_mask[None, :]
+        rows = t[:, None] * D + offs_d[None, :]
+        k = tl.load(k_ptr + rows, mask=mask, other=0.0)
+        v = tl.load(v_ptr + rows, mask=mask, other=0.0)
+        scores = tl.dot(q.to(k.dtype), tl.trans(k), input_precision=DOT_PRECISION)
+        scores = tl.where((t < length)[None, :], scores, float("-inf"))
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _decode_split_kernel(
+    query_ptr, order_ptr,
+    sink_k_ptr, sink_v_ptr, sink_len_ptr,
+    kc_high_ptr, kc_low_ptr, k_scale_ptr, k_zero_ptr,
+    vc_ptr, v_scale_ptr, v_zero_ptr, num_groups_ptr,
+    res_k_ptr, res_v_ptr, res_len_ptr,
+    m_out_ptr, l_out_ptr, acc_out_ptr,
+    qk_scale, num_heads, num_splits, sink_cap, group_cap, residual_cap,
+    # (batch, head) strides; the dims below the head are contiguous.
+    s_qb, s_qh, s_ob, s_oh,
+    s_skb, s_skh, s_svb, s_svh,
+    s_khb, s_khh, s_klb, s_klh, s_ksb, s_ksh, s_kzb, s_kzh,
+    s_vcb, s_vch, s_vsb, s_vsh, s_vzb, s_vzh,
+    s_rkb, s_rkh, s_rvb, s_rvh,
+    RATIO: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+    G: tl.constexpr, C_HIGH: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
+    BITS_V: tl.constexpr, GV: tl.constexpr,
+    BLOCK_N_DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    split = tl.program_id(1)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+
+    offs_q = tl.arange(0, BLOCK_Q)
+    q_mask = offs_q < RATIO
+    heads_q = h * RATIO + offs_q  # query heads served by KV head h (HF repeat_kv order)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    qd_mask = q_mask[:, None] & d_mask[None, :]
+    dtype = query_ptr.dtype.element_ty
+
+    # Scores in the log2 domain: fold softmax scaling * log2(e) into the query.
+    q_rows = query_ptr + b * s_qb + heads_q[:, None] * s_qh
+    q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0).to(tl.float32) * qk_scale
+    order = tl.load(order_ptr + b * s_ob + h * s_oh + offs_d, mask=d_mask, other=0)
+    q_stored = tl.load(q_rows + order[None, :], mask=qd_mask, other=0.0).to(tl.float32) * qk_scale
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q], tl.float32)
+    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+
+    # Sinks: split 0 only.
+    n_sink = tl.where(split == 0, tl.minimum(tl.load(sink_len_ptr + b), sink_cap), 0)
+    m_i, l_i, acc = _attend_dense(
+        q, m_i, l_i, acc, sink_k_ptr + b * s_skb + h * s_skh, sink_v_ptr + b * s_svb + h * s_svh,
+        n_sink, offs_d, d_mask, D, BLOCK_N_DENSE, DOT_PRECISION,
+    )
+
+    # Packed groups: this split's slice of the sequence's 32-token chunks. Chunk j is
+    # word j % (G/32) of group j // (G/32), i.e. tokens 32 j .. 32 j + 31.
+    WORDS = G // 32
+    n_chunks = tl.minimum(tl.load(num_groups_ptr + b), group_cap) * WORDS
+    per_split = tl.cdiv(n_chunks, num_splits)
+    chunk_end = tl.minimum(split * per_split + per_split, n_chunks)
+
+    # Keys: one int32 word per (group, plane, word, stored channel); channel c < C_HIGH
+    # lives in the high tensor, the others at c - C_HIGH in the low one.
+    C_LOW = D - C_HIGH
+    is_high = offs_d < C_HIGH
+    low_mask = (offs_d >= C_HIGH) & d_mask
+    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + offs_d
+    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + (offs_d - C_HIGH)
+    ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
+    kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
+    # Values: per token, BITS_V planes of D/32 words; channel c = 32 w + i is bit i of
+    # word w. Tiles are [tokens, words, bits] and reshaped to [tokens, channels].
+    offs_w = tl.arange(0, BLOCK_D // 32)
+    w_mask = (offs_w < D // 32)[None, :]
+    offs_i = tl.arange(0, 32)
+    vc_ptrs = vc_ptr + b * s_vcb + h * s_vch + offs_w[None, :]
+    # Value groups hold GV channels (a multiple of 32): word w is in group w // (GV/32).
+    v_group = (offs_w // (GV // 32))[None, :]
+    vs_ptrs = v_scale_ptr + b * s_vsb + h * s_vsh + v_group
+    vz_ptrs = v_zero_ptr + b * s_vzb + h * s_vzh + v_group
+    offs_n = tl.arange(0, 32)
+    for chunk in range(split * per_split, chunk_end):
+        group = chunk // WORDS
+        word = chunk % WORDS
+        # Token n of the chunk is bit n of each channel's word.
+        codes = tl.zeros([32, BLOCK_D], tl.int32)
+        for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
+            if p < BITS_HIGH:
+                bits = tl.load(kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH, mask=is_high, other=0)
+                codes |= ((bits[None, :] >> offs_n[:, None]) & 1) << p
+            if p < BITS_LOW:
+                bits = tl.load(kl_ptrs + ((group * BITS_LOW + p) * WORDS + word) * C_LOW, mask=low_mask, other=0)
+                codes |= ((bits[None, :] >> offs_n[:, None]) & 1) << p
+        k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
+        k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
+        # q . (zero + code * scale) = (q * scale) . code + q . zero; codes are exact in fp16/bf16.
+        scores = tl.dot(
+            (q_stored * k_scale[None, :]).to(dtype), tl.trans(codes.to(dtype)), input_precision=DOT_PRECISION
+        )
+        scores += tl.sum(q_stored * k_zero[None, :], 1)[:, None]
+
+        token = (chunk * 32 + offs_n)[:, None]  # row of the per-token value arrays
+        v_codes = tl.zeros([32, BLOCK_D // 32, 32], tl.int32)
+        for p in tl.static_range(BITS_V):
+            words = tl.load(vc_ptrs + (token * BITS_V + p) * (D // 32), mask=w_mask, other=0)
+            v_codes |= ((words[:, :, None] >> offs_i[None, None, :]) & 1) << p
+        v_scale = tl.load(vs_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
+        v_zero = tl.load(vz_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
+        v = v_zero[:, :, None] + v_codes.to(tl.float32) * v_scale[:, :, None]
+        v = tl.reshape(v, [32, BLOCK_D]).to(dtype)
+        m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
+
+    # Residual: last split only.
+    n_res = tl.where(split == num_splits - 1, tl.minimum(tl.load(res_len_ptr + b), residual_cap), 0)
+    m_i, l_i, acc = _attend_dense(
+        q, m_i, l_i, acc, res_k_ptr + b * s_rkb + h * s_rkh, res_v_ptr + b * s_rvb + h * s_rvh,
+        n_res, offs_d, d_mask, D, BLOCK_N_DENSE, DOT_PRECISION,
+    )
+
+    # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
+    rows = (b * num_heads * RATIO + heads_q) * num_splits + split
+    tl.store(m_out_ptr + rows, m_i, mask=q_mask)
+    tl.store(l_out_ptr + rows, l_i, mask=q_mask)
+    tl.store(acc_out_ptr + rows[:, None] * D + offs_d[None, :], acc, mask=qd_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, num_q_heads, num_splits,
+    s_ob, s_oh, s_od,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum."""
+    row = tl.program_id(0)
+    b = row // num_q_heads
+    hq = row % num_q_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+
+    m = tl.load(m_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_ptr + row * num_splits + offs_s, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
+    denominator = tl.sum(weight * l, 0)
+    out = tl.sum(weight[:, None] * acc, 0)
+    out = tl.where(denominator > 0, out / denominator, 0.0)  # no valid token -> zeros
+    tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> int:
+    """Enough splits for about two programs per multiprocessor, at most one per chunk."""
+    target = 2 * _multiprocessors(query.device.index) if query.is_cuda else 2
+    return max(1, min(triton.cdiv(target, kv_programs), max_chunks, 64))
+
+
+def _kernel_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the split kernel indexes it: any batch/head strides, the dims below
+    contiguous (views sliced along the token or group dim qualify); copied otherwise."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape[2:]), reversed(tensor.stride()[2:])):
+        if size > 1 and stride != expected:
+            return nonempty(tensor.contiguous())
+        expected *= size
+    return nonempty(tensor)
+
+
+def triton_decode_attention(
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len,
+    scaling: float, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Launch the split and combine kernels; arguments as :func:`decode_attention`.
+
+    ``num_splits`` overrides the split count (tests use it to exercise the merge).
+    """
+    batch, q_heads, head_dim = query.shape
+    heads = sink_keys.shape[1]
+    group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
+    value_group = head_dim // value_scale.shape[-1]
+    if q_heads % heads or head_dim % 32 or value_group % 32:
+        raise ValueError(
+            f"need Hq={q_heads} a multiple of H={heads}, head_dim={head_dim} and the value group "
+            f"size {value_group} multiples of 32"
+        )
+    if num_splits is None:
+        num_splits = _default_splits(query, batch * heads, group_cap * words)
+
+    m = query.new_empty(batch, q_heads, num_splits, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = query.new_empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32)
+    out = torch.empty_like(query)
+    tensors = [
+        _kernel_view(t)
+        for t in (
+            query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero,
+            value_codes, value_scale, value_zero, residual_keys, residual_values,
+        )
+    ]
+    query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero = tensors[:8]
+    value_codes, value_scale, value_zero, residual_keys, residual_values = tensors[8:]
+    _decode_split_kernel[(batch * heads, num_splits)](
+        query, order, sink_keys, sink_values, sink_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups,
+        residual_keys, residual_values, residual_len,
+        m, l, acc,
+        scaling * math.log2(math.e), heads, num_splits, sink_keys.shape[2], group_cap, residual_keys.shape[2],
+        *(stride for t in tensors for stride in t.stride()[:2]),
+        RATIO=q_heads // heads, BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
+        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        G=32 * words, C_HIGH=c_high, BITS_HIGH=bits_high, BITS_LOW=key_codes_low.shape[3],
+        BITS_V=value_codes.shape[3], GV=value_group,
+        BLOCK_N_DENSE=BLOCK_N_DENSE,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+    )
+    _decode_combine_kernel[(batch * q_heads,)](
+        m, l, acc, out, q_heads, num_splits, *out.stride(),
+        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+    )
+    return out
+
+
+def decode_attention_reference(
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len,
+    scaling: float,
+) -> torch.Tensor:
+    """PyTorch reference: dequantize every segment, masked softmax in float32."""
+    group_size = 32 * key_codes_high.shape[4]
+    num_high = key_codes_high.shape[-1]
+    channel_mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
+    keys = torch.cat(
+        [
+            sink_keys.float(),
+            dequantize_keys(key_codes_high, key_codes_low, key_scale, key_zero, channel_mask),
+            residual_keys.float(),
+        ],
+        2,
+    )
+    values = torch.cat(
+        [sink_values.float(), dequantize_values(value_codes, value_scale, value_zero), residual_values.float()], 2
+    )
+
+    def valid(capacity, length):
+        return torch.arange(capacity, device=query.device) < length.to(query.device)[:, None]
+
+    allowed = torch.cat(
+        [
+            valid(sink_keys.shape[2], sink_len),
+            valid(value_codes.shape[2], num_groups * group_size),
+            valid(residual_keys.shape[2], residual_len),
+        ],
+        1,
+    )[:, None, None, :]  # [B, 1, 1, T]
+    # Unused slots never leak NaN; a non-finite cached key still gives NaN, as in FP16 attention.
+    return masked_attention(query.unsqueeze(2), keys, values, allowed, scaling).squeeze(2).to(query.dtype)
+
+
+@torch.library.custom_op("pnmix::decode_attention", mutates_args=())
+def decode_attention(
+    query: torch.Tensor,
+    order: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    sink_len: torch.Tensor,
+    key_codes_high: torch.Tensor,
+    key_codes_low: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    num_groups: torch.Tensor,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    residual_len: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Decode attention of ``query [B, Hq, D]`` over a PN-Mix cache; returns ``[B, Hq, D]``.
+
+    ``order`` int64 ``[B, H, D]`` is the stored channel order of the packed keys
+    (``channel_order(channel_mask)``); the other tensors are as in the module docstring.
+    This default implementation is :func:`decode_attention_reference`; CUDA runs Triton.
+    """
+    return decode_attention_reference(
+        query, order, sink_keys, sink_values, sink_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups,
+        residual_keys, residual_values, residual_len, scaling,
+    )
+
+
+@decode_attention.register_kernel("cuda")
+def _decode_attention_cuda(
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len, scaling,
+):
+    return triton_decode_attention(
+        query, order, sink_keys, sink_values, sink_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups,
+        residual_keys, residual_values, residual_len, scaling,
+    )
+
+
+@decode_attention.register_fake
+def _decode_attention_fake(
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len, scaling,
+):
+    return torch.empty_like(query)

@@ -1,0 +1,161 @@
+"""Triton key quantizer: per-channel min-max over G-token groups, packed into bit planes.
+
+Produces exactly :func:`pnmix_patch.quantize.quantize_keys` (same shapes and dtypes,
+bit-identical codes, scales and zeros), so the decode kernel and the PyTorch
+reference read the same cache. Used when the residual buffer is flushed.
+
+One program quantizes one group (``G`` tokens x all ``D`` channels) of one
+(sequence, KV head). Channels are gathered into the stored order (``order``:
+selected-pair channels first), so stored channel ``c`` is high-bit iff
+``c < num_high``. Two passes over the group's 32-token rows:
+
+1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
+2. codes from the *stored* scale/zero, then for each bit plane ``p`` one int32 word
+   per channel: bit ``t`` of the word is bit ``p`` of token ``32 * w + t``'s code.
+
+Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H, G/32, C_hi]``,
+``codes_low [B, H, groups, b_L, G/32, C_lo]``, ``scale/zero [B, H, groups, D]``.
+Limits: ``G`` a multiple of 32, bits <= 8 (any ``D``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pnmix_patch.quantize import quantize_keys, scale_dtype_for
+
+from .common import encode, minmax_scale_zero, nonempty
+
+
+@triton.jit
+def _pack_keys_kernel(
+    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr,
+    num_heads,
+    s_kb, s_kh, s_kt, s_kd,
+    s_ob, s_oh, s_od,
+    s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
+    s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
+    s_sb, s_sh, s_sg, s_sd,
+    NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
+    BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+
+    offs_d = tl.arange(0, BLOCK_D)  # stored channel index
+    d_mask = offs_d < D
+    is_high = offs_d < NUM_HIGH
+    offs_t = tl.arange(0, 32)  # token within a 32-token word
+
+    # Stored channel c reads original channel order[c].
+    order = tl.load(order_ptr + b * s_ob + h * s_oh + offs_d * s_od, mask=d_mask, other=0)
+    row_ptrs = keys_ptr + b * s_kb + h * s_kh + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
+
+    # Pass 1: per-channel statistics over the group.
+    low = tl.full([BLOCK_D], float("inf"), tl.float32)
+    high = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    nonfinite = tl.zeros([BLOCK_D], tl.int32)
+    for w in range(G // 32):
+        x = tl.load(row_ptrs + w * 32 * s_kt, mask=d_mask[None, :], other=0.0).to(tl.float32)
+        low = tl.minimum(low, tl.min(x, 0))
+        high = tl.maximum(high, tl.max(x, 0))
+        nonfinite += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 0)
+
+    levels = tl.where(is_high, 2**BITS_HIGH - 1, 2**BITS_LOW - 1).to(tl.float32)
+    scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
+    param_offs = b * s_sb + h * s_sh + group * s_sg + offs_d * s_sd
+    scale = scale.to(scale_ptr.dtype.element_ty)
+    zero = zero.to(zero_ptr.dtype.element_ty)
+    tl.store(scale_ptr + param_offs, scale, mask=d_mask)
+    tl.store(zero_ptr + param_offs, zero, mask=d_mask)
+    scale = scale.to(tl.float32)
+    zero = zero.to(tl.float32)
+
+    # Pass 2: encode and pack one 32-token word per channel and bit plane.
+    high_base = high_ptr + b * s_hb + h * s_hh + group * s_hg + offs_d * s_hc
+    low_base = low_ptr + b * s_lb + h * s_lh + group * s_lg + (offs_d - NUM_HIGH) * s_lc
+    high_mask = is_high
+    low_mask = (offs_d >= NUM_HIGH) & d_mask
+    for w in range(G // 32):
+        x = tl.load(row_ptrs + w * 32 * s_kt, mask=d_mask[None, :], other=0.0).to(tl.float32)
+        codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
+        for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
+            # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
+            word = tl.sum(((codes >> p) & 1) << offs_t[:, None], 0)
+            if p < BITS_HIGH:
+                tl.store(high_base + p * s_hp + w * s_hw, word, mask=high_mask)
+            if p < BITS_LOW:
+                tl.store(low_base + p * s_lp + w * s_lw, word, mask=low_mask)
+
+
+def triton_pack_keys(
+    keys: torch.Tensor,
+    order: torch.Tensor,
+    num_high: int,
+    group_size: int,
+    bits_high: int,
+    bits_low: int,
+    midpoint_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the key quantizer; same arguments as :func:`pack_keys`, tensors on one device."""
+    batch, heads, tokens, head_dim = keys.shape
+    if group_size % 32 or tokens % group_size:
+        raise ValueError(f"group_size={group_size} must be a multiple of 32 dividing tokens={tokens}")
+    groups = tokens // group_size
+    words = group_size // 32
+    codes_high = keys.new_empty(batch, heads, groups, bits_high, words, num_high, dtype=torch.int32)
+    codes_low = keys.new_empty(batch, heads, groups, bits_low, words, head_dim - num_high, dtype=torch.int32)
+    scale = keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype))
+    zero = torch.empty_like(scale)
+    if scale.numel() == 0:
+        return codes_high, codes_low, scale, zero
+    _pack_keys_kernel[(batch * heads, groups)](
+        keys, order, nonempty(codes_high), nonempty(codes_low), scale, zero,
+        heads,
+        *keys.stride(), *order.stride(), *codes_high.stride(), *codes_low.stride(), *scale.stride(),
+        NUM_HIGH=num_high, D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), G=group_size,
+        BITS_HIGH=bits_high, BITS_LOW=bits_low, MIDPOINT=midpoint_correction,
+        enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
+    )
+    return codes_high, codes_low, scale, zero
+
+
+@torch.library.custom_op("pnmix::pack_keys", mutates_args=())
+def pack_keys(
+    keys: torch.Tensor,
+    order: torch.Tensor,
+    num_high: int,
+    group_size: int,
+    bits_high: int,
+    bits_low: int,
+    midpoint_correction: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize and pack keys ``[B, H, T, D]`` (``T`` a multiple of ``group_size``).
+
+    ``order`` is int64 ``[B, H, D]`` = ``channel_order(channel_mask)`` with ``num_high``
+    selected channels first. Returns ``quantize_keys``' ``(codes_high, codes_low, scale,
+    zero)``. This default implementation is the PyTorch reference; CUDA runs Triton.
+    """
+    channel_mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
+    return quantize_keys(keys, channel_mask, num_high, group_size, bits_high, bits_low, midpoint_correction)
+
+
+@pack_keys.register_kernel("cuda")
+def _pack_keys_cuda(keys, order, num_high, group_size, bits_high, bits_low, midpoint_correction):
+    return triton_pack_keys(keys, order, num_high, group_size, bits_high, bits_low, midpoint_correction)
+
+
+@pack_keys.register_fake
+def _pack_keys_fake(keys, order, num_high, group_size, bits_high, bits_low, midpoint_correction):
+    batch, heads, tokens, head_dim = keys.shape
+    groups, words = tokens // group_size, group_size // 32
+    return (
+        keys.new_empty(batch, heads, groups, bits_high, words, num_high, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, bits_low, words, head_dim - num_high, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
+        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
+    )

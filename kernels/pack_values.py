@@ -1,0 +1,127 @@
+"""Triton value quantizer: per-token min-max over groups of channels, packed into bit planes.
+
+Produces exactly :func:`pnmix_patch.quantize.quantize_values` (same shapes and dtypes,
+bit-identical codes, scales and zeros). Used when the residual buffer is flushed.
+
+One program quantizes ``BLOCK_T`` tokens of one (sequence, KV head). A token's
+``D`` channels are viewed as a ``[D / Gv, Gv]`` tile (padded to powers of two and
+masked), so each channel group reduces along the last axis. Codes are packed along
+channels: bit ``c % 32`` of word ``c // 32`` of plane ``p`` is bit ``p`` of channel
+``c``'s code, i.e. ``codes [B, H, T, b_V, D/32]``; ``scale/zero [B, H, T, D/Gv]``.
+Limits: ``D`` a multiple of 32, ``Gv`` dividing ``D``, bits <= 8.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pnmix_patch.quantize import quantize_values, scale_dtype_for
+
+from .common import encode, minmax_scale_zero
+
+BLOCK_T = 16
+
+
+@triton.jit
+def _pack_values_kernel(
+    values_ptr, codes_ptr, scale_ptr, zero_ptr,
+    num_heads, num_tokens,
+    s_vb, s_vh, s_vt, s_vd,
+    s_cb, s_ch, s_ct, s_cp, s_cw,
+    s_sb, s_sh, s_st, s_sg,
+    D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+
+    # Channel c = group * GV + i as a [NG_PAD, GV_PAD] tile.
+    offs_g = tl.arange(0, NG_PAD)
+    offs_i = tl.arange(0, GV_PAD)
+    channel = offs_g[:, None] * GV + offs_i[None, :]
+    c_mask = (offs_g[:, None] < D // GV) & (offs_i[None, :] < GV)
+    mask = t_mask[:, None, None] & c_mask[None, :, :]
+
+    x_ptrs = values_ptr + b * s_vb + h * s_vh + offs_t[:, None, None] * s_vt + channel[None, :, :] * s_vd
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    low = tl.min(tl.where(mask, x, float("inf")), 2)
+    high = tl.max(tl.where(mask, x, float("-inf")), 2)
+    nonfinite = tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 2)  # masked x is 0
+    levels = 2.0**BITS - 1.0
+    scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
+
+    param_offs = b * s_sb + h * s_sh + offs_t[:, None] * s_st + offs_g[None, :] * s_sg
+    param_mask = t_mask[:, None] & (offs_g[None, :] < D // GV)
+    scale = scale.to(scale_ptr.dtype.element_ty)
+    zero = zero.to(zero_ptr.dtype.element_ty)
+    tl.store(scale_ptr + param_offs, scale, mask=param_mask)
+    tl.store(zero_ptr + param_offs, zero, mask=param_mask)
+
+    codes = encode(x, scale.to(tl.float32)[:, :, None], zero.to(tl.float32)[:, :, None], levels)
+    codes_base = codes_ptr + b * s_cb + h * s_ch + offs_t * s_ct
+    shift = channel % 32
+    for w in tl.static_range(D // 32):
+        in_word = ((channel // 32) == w) & c_mask
+        for p in tl.static_range(BITS):
+            # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
+            bits = tl.where(in_word[None, :, :], ((codes >> p) & 1) << shift[None, :, :], 0)
+            word = tl.sum(tl.sum(bits, 2), 1)
+            tl.store(codes_base + p * s_cp + w * s_cw, word, mask=t_mask)
+
+
+def triton_pack_values(
+    values: torch.Tensor, bits: int, group_size: int, midpoint_correction: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the value quantizer; same arguments as :func:`pack_values`."""
+    batch, heads, tokens, head_dim = values.shape
+    if head_dim % 32 or head_dim % group_size:
+        raise ValueError(f"head_dim={head_dim} must be a multiple of 32 and of group_size={group_size}")
+    num_groups = head_dim // group_size
+    codes = values.new_empty(batch, heads, tokens, bits, head_dim // 32, dtype=torch.int32)
+    scale = values.new_empty(batch, heads, tokens, num_groups, dtype=scale_dtype_for(values.dtype))
+    zero = torch.empty_like(scale)
+    if scale.numel() == 0:
+        return codes, scale, zero
+    _pack_values_kernel[(batch * heads, triton.cdiv(tokens, BLOCK_T))](
+        values, codes, scale, zero,
+        heads, tokens,
+        *values.stride(), *codes.stride(), *scale.stride(),
+        D=head_dim, GV=group_size,
+        NG_PAD=triton.next_power_of_2(num_groups), GV_PAD=triton.next_power_of_2(group_size),
+        BITS=bits, MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
+        enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
+    )
+    return codes, scale, zero
+
+
+@torch.library.custom_op("pnmix::pack_values", mutates_args=())
+def pack_values(
+    values: torch.Tensor, bits: int, group_size: int, midpoint_correction: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize and pack values ``[B, H, T, D]`` per token over groups of ``group_size`` channels.
+
+    Returns ``quantize_values``' ``(codes, scale, zero)``. This default implementation
+    is the PyTorch reference; CUDA runs Triton.
+    """
+    return quantize_values(values, bits, group_size, midpoint_correction)
+
+
+@pack_values.register_kernel("cuda")
+def _pack_values_cuda(values, bits, group_size, midpoint_correction):
+    return triton_pack_values(values, bits, group_size, midpoint_correction)
+
+
+@pack_values.register_fake
+def _pack_values_fake(values, bits, group_size, midpoint_correction):
+    batch, heads, tokens, head_dim = values.shape
+    scale = values.new_empty(batch, heads, tokens, head_dim // group_size, dtype=scale_dtype_for(values.dtype))
+    return (
+        values.new_empty(batch, heads, tokens, bits, head_dim // 32, dtype=torch.int32),
+        scale,
+        torch.empty_like(scale),
+    )
