@@ -1,0 +1,240 @@
+"""Decode attention on the GPU: correctness first, then PN-Mix kernels vs bf16 SDPA, side by side.
+
+    python benchmarks/bench_attention.py [--out DIR] [--quick]
+
+1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
+   and bf16); fused decode attention against the float32 reference (relative error,
+   bf16 and fp16); opcheck, torch.compile(fullgraph) and CUDA-graph replay; a tiny
+   patched Llama on CUDA (kernels) against the same model on CPU (reference).
+2. Timing (Qwen3-8B head shape: 32 query heads, 8 KV heads, head dim 128; one layer;
+   median GPU time of CUDA-graph replays): pnmix-1, pnmix-2, kivi-2 kernels; bf16 SDPA
+   over an uncompressed cache of the same length (GQA without copies); the PyTorch
+   reference path at small sizes. For each: bytes that must be read, achieved GB/s
+   and the fraction of the copy bandwidth measured in the same run.
+3. Flush and pack cost at batch 32, amortized over the residual's 128 decode steps.
+
+Writes ``bench_attention.json`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench, do_bench_cudagraph
+
+from pnmix_patch import PNMixConfig, new_cache, patch_model
+from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference
+from pnmix_patch.kernels.pack_keys import pack_keys
+from pnmix_patch.kernels.pack_values import pack_values
+from pnmix_patch.quantize import channel_order, quantize_keys, quantize_values
+
+PRESETS = {name: PNMixConfig(**params, name=name) for name, params in {
+    "pnmix-1": {},
+    "pnmix-2": {"pair_ratio": 0.4, "key_group_size": 64},
+    "kivi-2": {"pair_ratio": 1.0, "key_bits_high": 2, "key_bits_low": 2},
+}.items()}  # fmt: skip
+Q_HEADS, KV_HEADS, HEAD_DIM, SINKS, RESIDUAL = 32, 8, 128, 32, 128
+
+
+def median_ms(function) -> float:
+    """Median GPU milliseconds of CUDA-graph replays (plain launches if capture fails)."""
+    try:
+        return do_bench_cudagraph(function, rep=200, return_mode="median")
+    except Exception as error:  # e.g. an op that cannot be captured
+        print(f"    (CUDA graph capture failed: {type(error).__name__}; timing eager launches)")
+        return do_bench(function, rep=200, return_mode="median")
+
+
+def copy_bandwidth(device) -> float:
+    """Bytes moved per second (read + write) by a 2 GiB device-to-device copy."""
+    source = torch.empty(2**30, dtype=torch.int16, device=device)
+    target = torch.empty_like(source)
+    ms = median_ms(lambda: target.copy_(source))
+    return 2 * source.numel() * 2 / (ms * 1e-3)
+
+
+def random_order(batch, num_high, device, heads=KV_HEADS):
+    mask = torch.rand(batch, heads, HEAD_DIM, device=device).argsort(-1) < num_high
+    return channel_order(mask)
+
+
+def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, ragged=False):
+    """Arguments of decode_attention for ``tokens`` cached tokens per sequence (kernels pack them)."""
+    group = config.key_group_size
+    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+    groups = max((tokens - SINKS - RESIDUAL) // group, 0)
+    residual = tokens - SINKS - groups * group
+    order = random_order(batch, num_high, device)
+    keys = torch.randn(batch, KV_HEADS, groups * group, HEAD_DIM, device=device, dtype=dtype)
+    key_parts = pack_keys(keys, order, num_high, group, config.key_bits_high, config.key_bits_low, True)
+    value_parts = pack_values(torch.randn_like(keys), config.value_bits, HEAD_DIM, True)
+    del keys
+    if ragged:
+        lengths = (torch.randint(0, SINKS + 1, (batch,)), torch.randint(0, groups + 1, (batch,)), torch.randint(1, RESIDUAL + 1, (batch,)))
+    else:
+        lengths = (torch.full((batch,), SINKS), torch.full((batch,), groups), torch.full((batch,), residual))
+    sink_len, num_groups, residual_len = (x.to(device=device, dtype=torch.int32) for x in lengths)
+
+    def dense(n):
+        return torch.randn(batch, KV_HEADS, n, HEAD_DIM, device=device, dtype=dtype)
+
+    query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    return (
+        query, order, dense(SINKS), dense(SINKS), sink_len, *key_parts, *value_parts, num_groups,
+        dense(RESIDUAL), dense(RESIDUAL), residual_len, HEAD_DIM**-0.5,
+    )  # fmt: skip
+
+
+def bytes_read(args) -> int:
+    return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
+
+
+def identical(a, b) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+def check_correctness(device) -> dict:
+    result = {"pack_bit_exact": {}, "decode_relative_error": {}}
+    for dtype in (torch.float16, torch.bfloat16):
+        for name, config in PRESETS.items():
+            num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+            group = config.key_group_size
+            keys = (torch.randn(3, 4, 4 * group, HEAD_DIM, device=device) * torch.rand(HEAD_DIM, device=device) * 5).to(dtype)
+            keys[0, 0, 5, 3] = float("inf")
+            keys[1, 2, :, 7] = 0.5
+            order = random_order(3, num_high, device, heads=4)
+            mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
+            got = pack_keys(keys, order, num_high, group, config.key_bits_high, config.key_bits_low, True)
+            want = quantize_keys(keys, mask, num_high, group, config.key_bits_high, config.key_bits_low, True)
+            values = torch.randn(3, 4, 200, HEAD_DIM, device=device).to(dtype)
+            exact = all(identical(g, w) for g, w in zip(got, want)) and all(
+                identical(g, w) for g, w in zip(pack_values(values, 2, HEAD_DIM, True), quantize_values(values, 2, HEAD_DIM, True))
+            )
+            result["pack_bit_exact"][f"{name}/{dtype}"] = exact
+            args = build_cache(config, 6, 2000, dtype, device, ragged=True)
+            out = decode_attention(*args).float()
+            ref = decode_attention_reference(*args).float()
+            error = ((out - ref).norm() / ref.norm()).item()
+            result["decode_relative_error"][f"{name}/{dtype}"] = error
+            print(f"  {name:8s} {str(dtype):15s} pack bit-exact: {exact}   decode relative error vs fp32 reference: {error:.2e}")
+    args = build_cache(PRESETS["pnmix-1"], 2, 600, torch.bfloat16, device)
+    torch.library.opcheck(torch.ops.pnmix.decode_attention.default, args)
+    compiled = torch.compile(lambda *a: decode_attention(*a) * 2, fullgraph=True)
+    result["compile_matches"] = bool(torch.equal(compiled(*args), decode_attention(*args) * 2))
+    result["model_cuda_vs_cpu"] = check_patched_model(device)
+    print(f"  opcheck ok; torch.compile fullgraph matches: {result['compile_matches']}; "
+          f"patched model CUDA vs CPU: {result['model_cuda_vs_cpu']}")
+    return result
+
+
+def check_patched_model(device) -> dict:
+    """A tiny random Llama, patched: CUDA (Triton kernels) and CPU (reference) agree."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 256, (2, 700))
+    logits = {}
+    for where in ("cpu", device):
+        model.to(where)
+        patch_model(model, PNMixConfig(sink_tokens=32, residual_tokens=128, key_group_size=64))
+        cache = new_cache(model)
+        with torch.no_grad():
+            steps = [model(ids[:, :300].to(where), cache=cache).logits[:, -1:]]
+            for position in range(300, 700):
+                steps.append(model(ids[:, position : position + 1].to(where), cache=cache).logits)
+        logits[str(where)] = torch.cat(steps, 1).float().cpu()
+    cpu, cuda = logits["cpu"], logits[str(device)]
+    return {
+        "max_abs_logit_difference": (cpu - cuda).abs().max().item(),
+        "max_abs_logit": cpu.abs().max().item(),
+        "greedy_token_agreement": (cpu.argmax(-1) == cuda.argmax(-1)).float().mean().item(),
+    }
+
+
+def time_shapes(device, bandwidth, shapes, reference_limit) -> list[dict]:
+    rows = []
+    for batch, tokens in shapes:
+        for name, config in PRESETS.items():
+            args = build_cache(config, batch, tokens, torch.bfloat16, device)
+            ms = median_ms(lambda: decode_attention(*args))
+            rows.append(row("kernel", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
+            if batch * tokens <= reference_limit and name == "pnmix-1":
+                ms = median_ms(lambda: decode_attention_reference(*args))
+                rows.append(row("reference", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
+            del args
+        keys = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        values = torch.randn_like(keys)
+        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+        rows.append(row("sdpa", "bf16", batch, tokens, ms, 2 * keys.numel() * 2 + query.numel() * 2, bandwidth))
+        del keys, values
+        torch.cuda.empty_cache()
+    return rows
+
+
+def row(kind, name, batch, tokens, ms, nbytes, bandwidth) -> dict:
+    achieved = nbytes / (ms * 1e-3)
+    result = {"kind": kind, "method": name, "batch": batch, "context": tokens, "ms": ms, "bytes_read": nbytes,
+              "GB_per_s": achieved / 1e9, "fraction_of_copy_bandwidth": achieved / bandwidth}  # fmt: skip
+    print(f"  {kind:9s} {name:8s} B={batch:2d} T={tokens:6d}: {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+          f"{achieved / 1e9:7.0f} GB/s  {achieved / bandwidth:5.1%} of copy", flush=True)
+    return result
+
+
+def flush_cost(device, rows) -> list[dict]:
+    """Pack one full 128-token residual per sequence at batch 32, amortized over 128 steps."""
+    results = []
+    for name, config in PRESETS.items():
+        num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+        residual = torch.randn(32, KV_HEADS, RESIDUAL, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        order = random_order(32, num_high, device)
+        ms = median_ms(lambda: (pack_keys(residual, order, num_high, config.key_group_size, config.key_bits_high,
+                                          config.key_bits_low, True), pack_values(residual, 2, HEAD_DIM, True)))  # fmt: skip
+        for tokens in (16384, 32768, 65536):
+            step = next((r["ms"] for r in rows if r["kind"] == "kernel" and r["method"] == name and r["batch"] == 32 and r["context"] == tokens), None)
+            if step is not None:
+                share = ms / RESIDUAL / step
+                results.append({"method": name, "context": tokens, "flush_ms": ms, "step_ms": step, "amortized_fraction": share})
+                print(f"  flush {name:8s} B=32: {ms * 1e3:7.1f} us per flush = {ms / RESIDUAL * 1e3:5.2f} us per step, "
+                      f"{share:.2%} of the T={tokens} attention step")
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    started = time.time()
+    print("correctness", flush=True)
+    correctness = check_correctness(device)
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    batches, contexts = ((1, 32), (4096, 32768)) if args.quick else ((1, 8, 32, 64), (4096, 16384, 32768, 65536))
+    rows = time_shapes(device, bandwidth, [(b, t) for b in batches for t in contexts], reference_limit=8 * 16384)
+    flush = flush_cost(device, rows)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
+        "command": "python benchmarks/bench_attention.py" + (" --quick" if args.quick else ""),
+        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "correctness": correctness, "timings": rows, "flush": flush,
+    }  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "bench_attention.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
