@@ -393,7 +393,6 @@ class PNMixCache(Cache):
         text_config = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
-        self.max_cache_len = max_cache_len
         layers = [PNMixLayer(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
 
