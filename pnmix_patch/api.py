@@ -57,6 +57,7 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
     model_config = model.config.get_text_config(decoder=True)
     adapter = get_patch(model_config.model_type)
     adapter.check_config(model_config)
+    _check_shapes_and_dtype(model, model_config, pnmix_config)
     state = getattr(model, _STATE_ATTRIBUTE, None)
     if state is not None:
         state["config"] = pnmix_config
@@ -111,6 +112,17 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None) -> PNMix
     return PNMixCache(model.config, state["config"], state["adapter"].pairing, max_cache_len)
 
 
+def _check_shapes_and_dtype(model, model_config, pnmix_config: PNMixConfig) -> None:
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    if head_dim % 2:
+        raise ValueError(f"head_dim={head_dim} has no RoPE pairs: allowed an even head dim")
+    if pnmix_config.quantize and head_dim % 32:
+        raise ValueError(f"head_dim={head_dim} cannot be bit-packed: allowed a multiple of 32 (or the 'fp16' preset)")
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"model dtype {dtype} is not supported: allowed torch.float16, torch.bfloat16, torch.float32")
+
+
 def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose forward creates the cache (``LlamaModel`` for ``LlamaForCausalLM``)."""
     if hasattr(model, "embed_tokens") and hasattr(model, "layers"):
@@ -130,12 +142,12 @@ def _cache_creating_forward(decoder, original, state):
     @functools.wraps(original)
     def forward(*args, **kwargs):
         args = list(args)
-        if len(args) > cache_position:
-            cache = args[cache_position]
-        else:
-            cache = kwargs.pop(cache_name, None)
-            # transformers >= 5.24 still accepts the old name (deprecated).
-            cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        cache = args[cache_position] if len(args) > cache_position else None
+        # Accept both names on every version: ``cache`` (transformers >= 5.24) and
+        # ``past_key_values`` (older, still accepted there); pass the version's own.
+        for name in ("cache", "past_key_values"):
+            given = kwargs.pop(name, None)
+            cache = given if cache is None else cache
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = decoder.config.use_cache

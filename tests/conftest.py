@@ -5,9 +5,12 @@ import os
 # Must precede any import of triton or of the kernels: Triton then runs on CPU tensors.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import inspect
+
 import pytest
 import torch
 from transformers import (
+    LlamaModel,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -17,6 +20,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
+"""The forward argument naming a cache in this transformers version (renamed in 5.24)."""
 
 TINY = dict(
     vocab_size=96,

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import output_cache, tiny_model
+from conftest import CACHE_KWARG, output_cache, tiny_model
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from pnmix_patch import PNMixCache, PNMixConfig, is_patched, new_cache, patch_model, unpatch_model
@@ -82,7 +82,7 @@ def test_a_filled_foreign_cache_is_refused():
     ids = torch.randint(3, 96, (1, 10))
     filled = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, cache=filled)
+        model(ids, **{CACHE_KWARG: filled})  # unpatched transformers knows only its own name
         patch_model(model)
         with pytest.raises(TypeError, match="DynamicCache"):
             model(ids, cache=filled)
@@ -96,5 +96,9 @@ def test_unsupported_models_and_configs_are_named():
         patch_model(tiny_model("mistral", sliding_window=16))
     with pytest.raises(ValueError, match="sliding"):
         patch_model(tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=0))
+    with pytest.raises(ValueError, match="head_dim=48"):
+        patch_model(tiny_model("qwen3", head_dim=48))
+    with pytest.raises(TypeError, match="torch.float64"):
+        patch_model(tiny_model("llama").double())
     with pytest.raises(ValueError, match="config='pnmix-9'"):
         patch_model(tiny_model("llama"), "pnmix-9")
