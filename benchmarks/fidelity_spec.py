@@ -27,6 +27,12 @@ from pnmix_patch.models import hamlet_text, load_model
 VARIANTS = {
     **PRESETS,
     "pnmix-1-no-midpoint": PRESETS["pnmix-1"].replace(midpoint_correction=False, name="pnmix-1-no-midpoint"),
+    "pnmix-1-no-sinks": PRESETS["pnmix-1"].replace(sink_tokens=0, name="pnmix-1-no-sinks"),
+    # the same bit budget, pairs chosen by the key-only criteria of the paper's comparison
+    **{
+        f"pnmix-1-{criterion.replace('_', '-')}": PRESETS["pnmix-1"].replace(selection=criterion, name=f"pnmix-1-{criterion}")
+        for criterion in ("k_pair_norm", "k_magnitude", "k_range")
+    },
 }
 RESULTS = Path(__file__).parent / "results"
 
