@@ -36,7 +36,7 @@ from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
 from .kernels.pack_values import pack_values
-from .quantize import channel_order, dequantize_keys, dequantize_values
+from .quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
 from .selection import PAIRINGS, pack_mask, pair_scores, pairs_to_channels, select_top_pairs, unpack_mask
 
 _STATE = (
@@ -86,7 +86,7 @@ class PNMixLayer(CacheLayerMixin):
         def ints(*shape, dtype=torch.int32):
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
-        scale_dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
+        scale_dtype = scale_dtype_for(self.dtype)
         words = cfg.key_group_size // 32
         self.sink_keys, self.sink_values = floats(batch, heads, cfg.sink_tokens, head_dim), floats(batch, heads, cfg.sink_tokens, head_dim)
         self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
