@@ -5,7 +5,9 @@ Importing this package registers:
 - ``torch.ops.pnmix.pack_keys``: :func:`pnmix_patch.quantize.quantize_keys`, bit-identical;
 - ``torch.ops.pnmix.pack_values``: :func:`pnmix_patch.quantize.quantize_values`, bit-identical;
 - ``torch.ops.pnmix.decode_attention``: fused split-K decode attention over sinks,
-  packed groups and residual, reading the codes in registers.
+  packed groups and residual, reading the codes in registers;
+- ``torch.ops.pnmix.decode_append``: one decode token into the static cache in place,
+  flushing a full residual buffer on the device (no host synchronization).
 
 Each op runs its PyTorch reference on CPU (and any non-CUDA device) and Triton on
 CUDA, and has a fake implementation for ``torch.compile``. Each module holds one
@@ -20,4 +22,4 @@ has no side effects and no op is registered twice.
 """
 
 if __name__ == "pnmix_patch.kernels":
-    from . import decode_attention, pack_keys, pack_values  # noqa: F401  (registers the ops)
+    from . import decode_append, decode_attention, pack_keys, pack_values  # noqa: F401  (registers the ops)

@@ -9,6 +9,9 @@ masked), so each channel group reduces along the last axis. Codes are packed alo
 channels: bit ``c % 32`` of word ``c // 32`` of plane ``p`` is bit ``p`` of channel
 ``c``'s code, i.e. ``codes [B, H, T, b_V, D/32]``; ``scale/zero [B, H, T, D/Gv]``.
 Limits: ``D`` a multiple of 32, ``Gv`` dividing ``D``, bits <= 8.
+
+The same kernel also flushes the static cache's residual buffer in place
+(:func:`launch_pack_values` with ``flush_state``), like the key kernel.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_values, scale_dtype_for
 
-from .common import encode, minmax_scale_zero
+from .common import encode, flush_destination, minmax_scale_zero
 
 BLOCK_T = 16
 
@@ -28,17 +31,28 @@ BLOCK_T = 16
 def _pack_values_kernel(
     values_ptr, codes_ptr, scale_ptr, zero_ptr,
     num_heads, num_tokens,
+    sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, group_cap, group_tokens,
     s_vb, s_vh, s_vt, s_vd,
     s_cb, s_ch, s_ct, s_cp, s_cw,
     s_sb, s_sh, s_st, s_sg,
     D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
-    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, IN_PLACE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < num_tokens
+    if IN_PLACE:
+        # values = the residual buffer; its tokens go after the sequence's last group, or nowhere.
+        per_flush = num_tokens // group_tokens
+        dest = flush_destination(
+            b, sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, num_tokens, group_cap, per_flush
+        )
+        t_mask = t_mask & (dest >= 0)
+        offs_out = tl.maximum(dest, 0).to(tl.int64) * group_tokens + offs_t
+    else:
+        offs_out = offs_t
 
     # Channel c = group * GV + i as a [NG_PAD, GV_PAD] tile.
     offs_g = tl.arange(0, NG_PAD)
@@ -55,7 +69,7 @@ def _pack_values_kernel(
     levels = 2.0**BITS - 1.0
     scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
 
-    param_offs = b * s_sb + h * s_sh + offs_t[:, None] * s_st + offs_g[None, :] * s_sg
+    param_offs = b * s_sb + h * s_sh + offs_out[:, None] * s_st + offs_g[None, :] * s_sg
     param_mask = t_mask[:, None] & (offs_g[None, :] < D // GV)
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
@@ -63,7 +77,7 @@ def _pack_values_kernel(
     tl.store(zero_ptr + param_offs, zero, mask=param_mask)
 
     codes = encode(x, scale.to(tl.float32)[:, :, None], zero.to(tl.float32)[:, :, None], levels)
-    codes_base = codes_ptr + b * s_cb + h * s_ch + offs_t * s_ct
+    codes_base = codes_ptr + b * s_cb + h * s_ch + offs_out * s_ct
     shift = channel % 32
     for w in tl.static_range(D // 32):
         in_word = ((channel // 32) == w) & c_mask
@@ -85,18 +99,31 @@ def triton_pack_values(
     codes = values.new_empty(batch, heads, tokens, bits, head_dim // 32, dtype=torch.int32)
     scale = values.new_empty(batch, heads, tokens, num_groups, dtype=scale_dtype_for(values.dtype))
     zero = torch.empty_like(scale)
-    if scale.numel() == 0:
-        return codes, scale, zero
+    if scale.numel():
+        launch_pack_values(values, codes, scale, zero, midpoint_correction)
+    return codes, scale, zero
+
+
+def launch_pack_values(values, codes, scale, zero, midpoint_correction, flush_state=None) -> None:
+    """Run the kernel over every token of ``values`` into the given outputs.
+
+    ``flush_state`` switches to the static cache's in-place flush, as in
+    :func:`~pnmix_patch.kernels.pack_keys.launch_pack_keys`.
+    """
+    batch, heads, tokens, head_dim = values.shape
+    channel_groups = scale.shape[-1]
+    in_place = flush_state is not None
+    state = flush_state if in_place else (values, values, values, 0, 0, 1)  # unread stand-ins
     _pack_values_kernel[(batch * heads, triton.cdiv(tokens, BLOCK_T))](
         values, codes, scale, zero,
         heads, tokens,
+        *state,
         *values.stride(), *codes.stride(), *scale.stride(),
-        D=head_dim, GV=group_size,
-        NG_PAD=triton.next_power_of_2(num_groups), GV_PAD=triton.next_power_of_2(group_size),
-        BITS=bits, MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
+        D=head_dim, GV=head_dim // channel_groups,
+        NG_PAD=triton.next_power_of_2(channel_groups), GV_PAD=triton.next_power_of_2(head_dim // channel_groups),
+        BITS=codes.shape[3], MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, IN_PLACE=in_place,
         enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
     )
-    return codes, scale, zero
 
 
 @torch.library.custom_op("pnmix::pack_values", mutates_args=())

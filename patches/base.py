@@ -60,6 +60,7 @@ class ArchitecturePatch:
             query, key = attention.q_norm(query), attention.k_norm(key)
         return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
-    def apply_rotary(self, query, key, cos, sin):
-        """The architecture's own RoPE."""
-        return self.module.apply_rotary_pos_emb(query, key, cos, sin)
+    def rotary(self):
+        """The architecture's own RoPE function ``(query, key, cos, sin) -> (query, key)``
+        (looked up once, at patch time: a module import cannot be traced by ``torch.compile``)."""
+        return self.module.apply_rotary_pos_emb

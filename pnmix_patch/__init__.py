@@ -9,6 +9,7 @@ from .api import is_patched, new_cache, patch_model, unpatch_model
 from .cache import PNMixCache, PNMixLayer
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .patches import SUPPORTED_MODEL_TYPES
+from .static_cache import PNMixStaticCache, PNMixStaticLayer
 
 __version__ = "0.1.0"
 
@@ -19,6 +20,8 @@ __all__ = [
     "PNMixCache",
     "PNMixConfig",
     "PNMixLayer",
+    "PNMixStaticCache",
+    "PNMixStaticLayer",
     "is_patched",
     "new_cache",
     "patch_model",

@@ -7,8 +7,12 @@ Patching a built model instance:
    ``unpatch_model`` restores the class's own forward exactly);
 2. wraps the decoder's ``forward`` so that a missing cache (``use_cache=True``) or
    the empty ``DynamicCache`` that ``generate`` creates becomes a
-   :class:`~pnmix_patch.cache.PNMixCache`; ``generate`` then carries it from the
-   model's outputs, so ``generate``, pipelines and hand-written loops need no change;
+   :class:`~pnmix_patch.cache.PNMixCache`, and an empty transformers ``StaticCache``
+   (``generate(..., cache_implementation="static")``) a
+   :class:`~pnmix_patch.static_cache.PNMixStaticCache` of the same ``max_cache_len``
+   (kept on the model and reset in place on the next call, so compiled decode steps
+   are reused); ``generate`` then carries it from the model's outputs, so
+   ``generate``, pipelines and hand-written loops need no change;
 3. sets ``config._attn_implementation = "pnmix"``, registered with transformers'
    attention and mask interfaces (the mask is the boolean SDPA mask: without a
    registered mask function, left-padded batches would silently get no mask).
@@ -22,7 +26,7 @@ import types
 
 import torch
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -30,6 +34,7 @@ from .attention import pnmix_attention_forward
 from .cache import PNMixCache
 from .config import PNMixConfig, resolve_config
 from .patches import get_patch
+from .static_cache import PNMixStaticCache
 
 ATTENTION_NAME = "pnmix"
 _STATE_ATTRIBUTE = "_pnmix_state"
@@ -69,6 +74,7 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
         raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
     for attention in attentions:
         attention._pnmix_adapter = adapter
+        attention._pnmix_rotary = adapter.rotary()
         attention.forward = types.MethodType(pnmix_attention_forward, attention)
 
     decoder = _decoder_of(model)
@@ -93,6 +99,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     for attention in state["attentions"]:
         del attention.forward
         del attention._pnmix_adapter
+        del attention._pnmix_rotary
     del state["decoder"].forward
     model.config.get_text_config(decoder=True)._attn_implementation = state["attn_implementation"]
     delattr(model, _STATE_ATTRIBUTE)
@@ -104,12 +111,22 @@ def is_patched(model: torch.nn.Module) -> bool:
     return hasattr(model, _STATE_ATTRIBUTE)
 
 
-def new_cache(model: torch.nn.Module, max_cache_len: int | None = None) -> PNMixCache:
-    """An empty :class:`PNMixCache` for a patched ``model`` (its config and RoPE pairing)."""
+def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: bool = False) -> PNMixCache:
+    """An empty PN-Mix cache for a patched ``model`` (its config and RoPE pairing).
+
+    Args:
+        model: a model patched with :func:`patch_model`.
+        max_cache_len: positions the cache accepts (prompt plus generated tokens);
+            default the model's ``max_position_embeddings``; required when ``static``.
+        static: a :class:`~pnmix_patch.static_cache.PNMixStaticCache` (preallocated,
+            compileable with ``torch.compile(fullgraph=True)`` and CUDA graphs) instead
+            of the growing :class:`~pnmix_patch.cache.PNMixCache`.
+    """
     state = getattr(model, _STATE_ATTRIBUTE, None)
     if state is None:
         raise ValueError("the model is not patched: call pnmix_patch.patch_model(model) first")
-    return PNMixCache(model.config, state["config"], state["adapter"].pairing, max_cache_len)
+    cache_class = PNMixStaticCache if static else PNMixCache
+    return cache_class(model.config, state["config"], state["adapter"].pairing, max_cache_len)
 
 
 def _check_shapes_and_dtype(model, model_config, pnmix_config: PNMixConfig) -> None:
@@ -168,9 +185,24 @@ def _pnmix_cache_for(cache, use_cache, model_config, state):
         return PNMixCache(model_config, state["config"], state["adapter"].pairing) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
         return PNMixCache(model_config, state["config"], state["adapter"].pairing)
+    if type(cache) is StaticCache and not cache.is_initialized:
+        return _reusable_static_cache(cache.layers[0].max_cache_len, model_config, state)
     if isinstance(cache, Cache):
         raise TypeError(
             f"a PN-Mix patched model cannot use a {type(cache).__name__} "
-            f"(holding {cache.get_seq_length()} tokens): pass no cache, an empty DynamicCache, or a PNMixCache"
+            f"(holding {cache.get_seq_length()} tokens): pass no cache, an empty DynamicCache or StaticCache, "
+            "or a PNMixCache"
         )
     raise TypeError(f"cache must be a transformers Cache or None, got {type(cache).__name__}")
+
+
+def _reusable_static_cache(max_cache_len: int, model_config, state) -> PNMixStaticCache:
+    """The model's static PN-Mix cache for ``max_cache_len``, emptied in place (same addresses,
+    so a compiled decode step and its CUDA graphs are reused), or a new one."""
+    cache = state.get("static_cache")
+    if cache is None or cache.pnmix_config != state["config"] or cache.layers[0].max_cache_len != max_cache_len:
+        cache = PNMixStaticCache(model_config, state["config"], state["adapter"].pairing, max_cache_len)
+        state["static_cache"] = cache
+    else:
+        cache.reset()
+    return cache

@@ -67,17 +67,19 @@ def cache_attention(layer, query, key, value, valid, scaling) -> torch.Tensor:
     return masked_attention(query, keys, values, allowed[:, None], scaling).to(query.dtype)
 
 
-def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
+def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, device, start: int | None = None) -> torch.Tensor | None:
     """Which tokens of the new chunk are real, from transformers' 4D boolean mask.
 
     The last query row of a left-padded batch is a real token that may attend every
-    real key, so its last ``chunk`` columns mark the chunk's real tokens.
+    real key, so its columns ``start .. start + chunk`` (the chunk's positions; by
+    default the last ``chunk`` columns) mark the chunk's real tokens.
     """
     if attention_mask is None:
         return None
     if attention_mask.dim() != 4:
         raise ValueError(f"PN-Mix attention expects a 4D attention mask or None, got shape {tuple(attention_mask.shape)}")
-    row = attention_mask[:, 0, -1, -chunk:]
+    columns = slice(-chunk, None) if start is None else slice(start, start + chunk)
+    row = attention_mask[:, 0, -1, columns]
     valid = row if row.dtype == torch.bool else row == 0
     return valid.expand(batch, chunk).to(device)
 
@@ -88,10 +90,10 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
     adapter = self._pnmix_adapter
     query, key, value = adapter.project(self, hidden_states)
     cos, sin = position_embeddings
-    query, key = adapter.apply_rotary(query, key, cos, sin)
+    query, key = self._pnmix_rotary(query, key, cos, sin)
     batch, chunk = hidden_states.shape[:2]
-    valid = chunk_validity(attention_mask, batch, chunk, hidden_states.device)
     if cache is None:
+        valid = chunk_validity(attention_mask, batch, chunk, hidden_states.device)
         if valid is None:
             valid = torch.ones(batch, chunk, dtype=torch.bool, device=hidden_states.device)
         causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
@@ -104,6 +106,7 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
                 f"a PN-Mix patched model needs a PNMixCache, got {type(cache).__name__} with a {type(layer).__name__} "
                 f"at layer {self.layer_idx}; pass no cache (one is created) or a pnmix_patch.PNMixCache"
             )
+        valid = layer.chunk_validity(attention_mask, batch, chunk, hidden_states.device)
         output = layer.attend(query, key, value, valid, self.scaling)
     output = output.transpose(1, 2).reshape(batch, chunk, -1)
     return self.o_proj(output), None

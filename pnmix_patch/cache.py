@@ -31,7 +31,7 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import cache_attention
+from .attention import cache_attention, chunk_validity
 from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
@@ -156,6 +156,10 @@ class PNMixLayer(CacheLayerMixin):
         return self.key_scale.shape[2]
 
     # ---------------------------------------------------------------- attend
+    def chunk_validity(self, attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
+        """Bool ``[B, chunk]`` real-token mask of the next chunk (None: all real), from the 4D mask."""
+        return chunk_validity(attention_mask, batch, chunk, device)
+
     def attend(
         self,
         query: torch.Tensor,
@@ -246,7 +250,7 @@ class PNMixLayer(CacheLayerMixin):
         total = self.residual_len + to_residual
         if not self.config.quantize:
             flushed = torch.zeros_like(total)
-            capacity = int(total.max())
+            capacity = max(int(total.max()), self.residual_keys.shape[2])
         else:
             capacity = self.config.residual_tokens
             # Flush whole buffers while more than N tokens remain, keeping the newest 1..N.
@@ -388,12 +392,14 @@ class PNMixCache(Cache):
             ``max_position_embeddings``); more raises ``ValueError``.
     """
 
+    layer_class = PNMixLayer
+
     def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
         self.pnmix_config = resolve_config(config)
         text_config = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
-        layers = [PNMixLayer(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
+        layers = [self.layer_class(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
 
     def memory_report(self) -> dict:

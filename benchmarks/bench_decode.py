@@ -1,0 +1,356 @@
+"""Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
+
+    python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
+
+1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
+   its PyTorch reference, bit-exact, on CUDA; a tiny patched Llama decoding greedily with
+   the static cache compiled (``fullgraph=True, mode="reduce-overhead"``: CUDA graphs)
+   against the same model eager on CPU (reference path): same tokens.
+2. Timing: a randomly initialized bf16 model of the real shape (Qwen3-8B, Llama-3.1-8B;
+   weights do not change the time), batch 1, context 1K, 8K and 32K. Each variant runs
+   in this process on the same model:
+
+   - ``bf16-compiled-stock``: transformers ``StaticCache``, stock SDPA attention (which
+     expands the KV heads, ``repeat_kv``), ``torch.compile(fullgraph, reduce-overhead)``;
+   - ``bf16-compiled-fair``: the same static cache read by SDPA without the expanded copy
+     (a decode query's GQA heads folded onto their KV head), compiled the same way;
+   - ``pnmix-compiled``: ``patch_model(model, "pnmix-1")`` + ``PNMixStaticCache``, compiled
+     the same way;
+   - ``pnmix-eager`` (the dynamic ``PNMixCache``) and ``bf16-eager`` (``DynamicCache``).
+
+   Caches are brought to the context length synthetically (a 64-token prefill, then
+   random keys/values or random codes and the lengths set on the device): decode time
+   depends on lengths, not values, and a real 32K prefill through the reference
+   prefill attention would not fit. The static bf16 cache is sized to the context plus
+   the timed steps, as a user would size it. ms per token is the median of per-step
+   CUDA-event times over the timed steps (graph replay + host launch).
+   Bandwidth floor: (weight bytes + cache bytes read per step) / copy bandwidth
+   measured in the same run (read + write bytes of a 2 GiB device copy).
+
+Writes ``bench_decode.json`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from pnmix_patch import new_cache, patch_model, unpatch_model
+from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
+
+MODELS = {
+    "qwen3-8b": lambda: Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    # llama3 RoPE scaling is left out: it changes the rotation frequencies, not the cost.
+    "llama-3.1-8b": lambda: LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+CONTEXTS = (1024, 8192, 32768)
+PROMPT, WARMUP, STEPS = 64, 8, 40
+
+
+def gqa_decode_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA without expanding the KV heads: a decode query's ``Hq / H`` heads become query rows
+    of their KV head (HF orders query heads by KV head), one mask row broadcast over them."""
+    batch, q_heads, length, head_dim = query.shape
+    if length != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    folded = query.view(batch, key.shape[1], q_heads // key.shape[1], head_dim)
+    output = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)
+    return output.reshape(batch, q_heads, 1, head_dim).transpose(1, 2), None
+
+
+AttentionInterface.register("sdpa_gqa_decode", gqa_decode_sdpa)
+AttentionMaskInterface.register("sdpa_gqa_decode", sdpa_mask)
+
+
+def cache_arg(model) -> str:
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+
+
+def copy_bandwidth(device) -> float:
+    source = torch.empty(2**30, dtype=torch.int16, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        target.copy_(source)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 2 * source.numel() * 2 / (statistics.median(times) * 1e-3)
+
+
+# ---------------------------------------------------------------------------- checks
+def check_fair_attention(device) -> float:
+    """The folded-GQA decode attention against transformers' stock SDPA path: max abs difference."""
+    query = torch.randn(2, 32, 1, 128, device=device, dtype=torch.bfloat16)
+    key, value = torch.randn(2, 2, 8, 300, 128, device=device, dtype=torch.bfloat16).unbind(1)
+    mask = torch.arange(300, device=device)[None, None, None, :] < torch.tensor([300, 170], device=device)[:, None, None, None]
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = 4, True, False
+    fair, _ = gqa_decode_sdpa(module, query, key, value, mask, scaling=128**-0.5)
+    stock, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=128**-0.5)
+    difference = (fair.float() - stock.float()).abs().max().item()
+    print(f"  folded-GQA SDPA vs stock SDPA: max abs difference {difference:.2e}", flush=True)
+    return difference
+
+
+def check_decode_append(device) -> dict:
+    """The CUDA op (Triton) against the reference on every append/flush/overflow case."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    batch, heads, dim, group, sinks, residual, group_cap = 5, 8, 128, 128, 32, 128, 4
+    order = torch.rand(batch, heads, dim, generator=generator).argsort(-1)
+    results = {}
+    for dtype in (torch.bfloat16, torch.float16):
+        def randn(*shape, dtype=dtype):
+            return torch.randn(*shape, generator=generator).to(dtype)
+
+        def codes(*shape):
+            return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, dtype=torch.int32)
+
+        scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+        args = [
+            randn(batch, heads, dim), randn(batch, heads, dim), order,
+            randn(batch, heads, sinks, dim), randn(batch, heads, sinks, dim), torch.tensor([3, 32, 32, 32, 32], dtype=torch.int32),
+            randn(batch, heads, residual, dim) * 3, randn(batch, heads, residual, dim), torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
+            codes(batch, heads, group_cap, 3, group // 32, 64), codes(batch, heads, group_cap, 1, group // 32, 64),
+            randn(batch, heads, group_cap, dim, dtype=scale_dtype), randn(batch, heads, group_cap, dim, dtype=scale_dtype),
+            codes(batch, heads, group_cap * group, 2, dim // 32),
+            randn(batch, heads, group_cap * group, 1, dtype=scale_dtype), randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
+            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32), torch.zeros(batch, dtype=torch.bool), True,
+        ]  # fmt: skip
+        expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        decode_append_reference(*expected)
+        on_device = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
+        decode_append(*on_device)
+        same = all(torch.equal(a.cpu(), b) for a, b in zip(on_device, expected) if isinstance(a, torch.Tensor))
+        results[str(dtype)] = same
+        print(f"  decode_append {dtype}: bit-exact vs reference = {same}", flush=True)
+    return results
+
+
+def check_compiled_tiny_model(device) -> dict:
+    """Greedy tokens of a tiny patched Llama: static cache compiled on CUDA vs eager on CPU."""
+    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=128)  # fmt: skip
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    patch_model(model, "pnmix-1")
+    prompt = torch.randint(0, 256, (2, 100))
+    steps = 600  # crosses four flushes
+    name = cache_arg(model)
+
+    def greedy(forward, cache, device):
+        with torch.no_grad():
+            logits = model(input_ids=prompt.to(device), **{name: cache}).logits[:, -1]
+            tokens = [logits.argmax(-1, keepdim=True)]
+            for _ in range(steps):
+                tokens.append(forward(input_ids=tokens[-1], **{name: cache}).logits[:, -1].argmax(-1, keepdim=True))
+        return torch.cat(tokens, 1).cpu()
+
+    cpu_tokens = greedy(model.forward, new_cache(model), "cpu")
+    model.to(device)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+    gpu_tokens = greedy(compiled, new_cache(model, 100 + steps + 1, static=True), device)
+    agreement = (gpu_tokens == cpu_tokens).float().mean().item()
+    result = {
+        "steps": steps, "token_agreement": agreement, "identical": bool(torch.equal(gpu_tokens, cpu_tokens)),
+        "graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }  # fmt: skip
+    print(f"  tiny Llama, static cache compiled on CUDA vs eager CPU: {result}", flush=True)
+    return result
+
+
+# ---------------------------------------------------------------------------- timing
+def fill_pnmix(cache, context: int) -> int:
+    """Bring every layer of a prefilled PN-Mix cache to ``context`` tokens: random codes, lengths set.
+    Returns the bytes a decode step reads (sinks, groups, residual, scales, order)."""
+    nbytes = 0
+    for layer in cache.layers:
+        cfg = layer.config
+        groups = (context - cfg.sink_tokens - 1) // cfg.key_group_size  # the residual keeps 1..G tokens
+        residual = context - cfg.sink_tokens - groups * cfg.key_group_size
+        if groups > layer.group_capacity:
+            layer._reserve_groups(groups)
+        tokens = groups * cfg.key_group_size
+        for name in ("key_codes_high", "key_codes_low", "value_codes"):
+            part = getattr(layer, name)[:, :, : tokens if name == "value_codes" else groups]
+            part.copy_(torch.randint_like(part, -(2**31), 2**31 - 1))
+        for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
+            part = getattr(layer, name)[:, :, : tokens if name.startswith("value") else groups]
+            part.copy_(torch.rand_like(part) * 0.1)
+        layer.residual_keys.normal_()
+        layer.residual_values.normal_()
+        layer.num_groups.fill_(groups)
+        layer.residual_len.fill_(residual)
+        layer.seen_tokens = context
+        read = [layer.sink_keys, layer.sink_values, layer.order if hasattr(layer, "order") else layer.pair_mask_bits]
+        read += [getattr(layer, n)[:, :, :groups] for n in ("key_codes_high", "key_codes_low", "key_scale", "key_zero")]
+        read += [getattr(layer, n)[:, :, :tokens] for n in ("value_codes", "value_scale", "value_zero")]
+        read += [layer.residual_keys[:, :, :residual], layer.residual_values[:, :, :residual]]
+        nbytes += sum(t.numel() * t.element_size() for t in read)
+    return nbytes
+
+
+def fill_bf16(cache, context: int) -> int:
+    """Bring a prefilled transformers cache to ``context`` tokens; returns bytes a step reads."""
+    nbytes = 0
+    for layer in cache.layers:
+        if isinstance(cache, StaticCache):
+            layer.keys.normal_()
+            layer.values.normal_()
+            layer.cumulative_length.fill_(context)
+            nbytes += 2 * layer.keys.numel() * layer.keys.element_size()  # SDPA reads the whole static buffer
+        else:
+            shape = (*layer.keys.shape[:2], context, layer.keys.shape[-1])
+            layer.keys = torch.randn(shape, dtype=layer.keys.dtype, device=layer.keys.device)
+            layer.values = torch.randn_like(layer.keys)
+            nbytes += 2 * layer.keys.numel() * layer.keys.element_size()
+    return nbytes
+
+
+def time_steps(forward, model, cache, name) -> list[float]:
+    """Per-step milliseconds (CUDA events) of ``STEPS`` decode steps after ``WARMUP`` ones."""
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    times = []
+    with torch.no_grad():
+        for step in range(WARMUP + STEPS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            logits = forward(input_ids=token, **{name: cache}).logits
+            end.record()
+            end.synchronize()
+            token = logits[:, -1:].argmax(-1)
+            if step >= WARMUP:
+                times.append(start.elapsed_time(end))
+    return times
+
+
+def prefill(model, cache, name):
+    prompt = torch.randint(0, 1000, (1, PROMPT), device=model.device)
+    with torch.no_grad():
+        model(input_ids=prompt, **{name: cache})
+
+
+def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
+    config = MODELS[model_name]()
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    name = cache_arg(model)
+    rows = []
+
+    def record(variant, context, times, cache_bytes):
+        ms = statistics.median(times)
+        floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
+        rows.append({"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
+                     "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
+                     "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms})  # fmt: skip
+        print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
+              f"({floor / ms:5.1%})", flush=True)
+
+    def compiled_forward():
+        torch._dynamo.reset()
+        return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+
+    # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
+    for variant, attention in (("bf16-compiled-fair", "sdpa_gqa_decode"), ("bf16-compiled-stock", "sdpa")):
+        model.set_attn_implementation(attention)
+        for context in CONTEXTS if variant.endswith("fair") else CONTEXTS[-1:]:
+            cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
+            prefill(model, cache, name)
+            cache_bytes = fill_bf16(cache, context)
+            forward = compiled_forward()
+            record(variant, context, time_steps(forward, model, cache, name), cache_bytes)
+            del cache, forward
+            torch.cuda.empty_cache()
+    model.set_attn_implementation("sdpa")
+    for context in CONTEXTS:
+        cache = DynamicCache(config=model.config)
+        prefill(model, cache, name)
+        record("bf16-eager", context, time_steps(model.forward, model, cache, name), fill_bf16(cache, context))
+        del cache
+    # PN-Mix: one static size for all contexts (the kernels read only the valid lengths).
+    patch_model(model, "pnmix-1")
+    static = new_cache(model, CONTEXTS[-1] + WARMUP + STEPS + PROMPT, static=True)
+    prefill(model, static, name)
+    forward = compiled_forward()
+    counters.clear()
+    for context in CONTEXTS:
+        static.reset()
+        prefill(model, static, name)
+        record("pnmix-compiled", context, time_steps(forward, model, static, name), fill_pnmix(static, context))
+    skips = dict(counters["inductor"])
+    del static
+    for context in CONTEXTS:
+        cache = new_cache(model)
+        prefill(model, cache, name)
+        record("pnmix-eager", context, time_steps(model.forward, model, cache, name), fill_pnmix(cache, context))
+        del cache
+    unpatch_model(model)
+    print(f"  inductor counters during PN-Mix compiled timing: {skips}", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), required=True)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    started = time.time()
+    checks = {}
+    if not args.skip_checks:
+        print("checks", flush=True)
+        checks = {
+            "fair_attention_max_abs_difference": check_fair_attention(device),
+            "decode_append": check_decode_append(device),
+            "tiny_model": check_compiled_tiny_model(device),
+        }
+    bandwidth = copy_bandwidth(device)
+    print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    rows = [row for model_name in args.model for row in time_model(model_name, device, bandwidth)]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
+        "command": "python benchmarks/bench_decode.py " + " ".join(f"--model {m}" for m in args.model),
+        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
+    }  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    suffix = "_".join(args.model)
+    (Path(args.out) / f"bench_decode_{suffix}.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

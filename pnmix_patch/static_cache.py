@@ -1,0 +1,187 @@
+"""Static PN-Mix cache: storage of fixed size and address, so a decode step compiles whole.
+
+:class:`PNMixStaticCache` holds the same packed layout as :class:`~pnmix_patch.cache.PNMixCache`,
+preallocated for ``max_cache_len`` positions when the first chunk arrives:
+
+- sinks and residual buffer as usual; packed groups for every token that can be
+  flushed before ``max_cache_len`` is reached (``floor((L - N_s - 1) / N) * N / G``
+  groups: the buffer always keeps the newest 1..N tokens); the ``fp16`` preset gets a
+  residual of ``L - N_s`` slots instead and no groups;
+- the stored channel order (``order``, int64 ``[B, H, D]``), computed once after
+  the pairs are selected rather than at every step;
+- per-sequence int32 lengths, an ``overflowed`` flag, and the position count
+  ``cumulative_length`` as device tensors.
+
+Every tensor is marked as a static address for ``torch.compile`` and is only ever
+written in place, so CUDA graphs replay on the same memory.
+
+Prefill (any chunk of more than one token, and the first chunk) runs the dynamic
+cache's code, host synchronizations included: pair selection and the first packing
+are outside the graph. A decode step (one token per sequence) is sync-free:
+``pnmix::decode_append`` writes the token and flushes a full residual buffer on the
+device, then ``pnmix::decode_attention`` reads the cache. No Python value changes
+from step to step, so nothing recompiles as the sequence grows.
+
+Decode tokens are taken as real tokens (``generate`` never feeds padding after the
+prompt). A sequence that outgrows the storage during a compiled step cannot raise:
+its attention output becomes NaN from then on (``overflowed``); eager steps raise
+``ValueError`` past ``max_cache_len`` as the dynamic cache does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import chunk_validity
+from .cache import _STATE, PNMixCache, PNMixLayer
+from .config import PNMixConfig
+from .kernels.decode_append import decode_append
+from .kernels.decode_attention import decode_attention
+from .quantize import channel_order
+
+_STATIC_STATE = (*_STATE, "order", "overflowed")
+
+
+class PNMixStaticLayer(PNMixLayer):
+    """One decoder layer's static PN-Mix cache (see the module docstring)."""
+
+    is_compileable = True
+
+    def __init__(self, config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
+        if not isinstance(max_cache_len, int) or max_cache_len <= 0:
+            raise ValueError(f"a static PN-Mix cache needs max_cache_len, a positive int; got {max_cache_len!r}")
+        self.cumulative_length = torch.zeros((), dtype=torch.int64)
+        super().__init__(config, pairing, max_cache_len)
+        self.prefilled = False  # a one-token chunk is a decode step only after a prefill
+
+    @property
+    def seen_tokens(self) -> int:
+        """Positions consumed (a host read of ``cumulative_length``: eager code only)."""
+        return int(self.cumulative_length)
+
+    @seen_tokens.setter
+    def seen_tokens(self, value: int) -> None:
+        self.cumulative_length.fill_(value)
+
+    # ----------------------------------------------------------------- set-up
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        cfg = self.config
+        after_sinks = max(0, self.max_cache_len - cfg.sink_tokens)
+        if cfg.quantize:
+            flushes = max(0, after_sinks - 1) // cfg.residual_tokens
+            self._reserve_groups(flushes * cfg.residual_tokens // cfg.key_group_size)
+        else:
+            shape = (self.batch_size, self.num_heads, after_sinks, self.head_dim)
+            self.residual_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.residual_values = torch.zeros_like(self.residual_keys)
+        self.order = channel_order(self.channel_mask)
+        self.overflowed = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
+        if not torch.compiler.is_compiling():
+            for tensor in (*self._storage.values(), self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor)
+
+    # ------------------------------------------------------------ transformers API
+    def get_seq_length(self) -> torch.Tensor | int:
+        """Positions consumed, as a device tensor (no host sync), or 0 before the first token."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        return self.max_cache_len, 0  # fixed, so the mask never changes shape
+
+    def reset(self) -> None:
+        """Empty the cache in place (same storage, same addresses: compiled graphs stay valid)."""
+        if self.is_initialized:
+            for tensor in self._storage.values():
+                tensor.zero_()
+        self.cumulative_length.zero_()
+        self.prefilled = False
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            indices = indices.to(self.device)
+            if indices.shape[0] != self.batch_size:
+                raise ValueError(
+                    f"a static PN-Mix cache keeps its batch size {self.batch_size}; got {indices.shape[0]} indices"
+                )
+            for tensor in self._storage.values():
+                tensor.copy_(tensor.index_select(0, indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized and repeats != 1:
+            raise ValueError(f"a static PN-Mix cache keeps its batch size {self.batch_size}; cannot repeat it {repeats} times")
+
+    # ---------------------------------------------------------------- attend
+    def chunk_validity(self, attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
+        if self.prefilled and chunk == 1:
+            return None  # a decode token is real; reading the mask would need the position on the host
+        # The mask spans max_cache_len columns; the chunk's are at its positions.
+        return chunk_validity(attention_mask, batch, chunk, device, start=self.seen_tokens)
+
+    def attend(self, query, key, value, valid, scaling):
+        if self.prefilled and key.shape[2] == 1:
+            if not torch.compiler.is_compiling() and self.seen_tokens + 1 > self.max_cache_len:
+                raise ValueError(
+                    f"the PN-Mix cache holds at most max_cache_len={self.max_cache_len} positions; "
+                    f"{self.seen_tokens} are cached and 1 more was given"
+                )
+            return self._decode_step(query, key, value, scaling)
+        if self.is_initialized and self.seen_tokens == 0 and key.shape[0] != self.batch_size:
+            self.is_initialized = False  # an emptied cache meets a new batch size: allocate again
+        output = super().attend(query, key, value, valid, scaling)
+        # The dynamic code replaced some tensors (lengths, masks, residual): copy them back.
+        for name, tensor in self._storage.items():
+            current = getattr(self, name)
+            if current is not tensor:
+                tensor.copy_(current)
+                setattr(self, name, tensor)
+        self.order.copy_(channel_order(self.channel_mask))
+        self.prefilled = True
+        return output
+
+    def _decode_step(self, query, key, value, scaling) -> torch.Tensor:
+        decode_append(
+            key[:, :, 0], value[:, :, 0], self.order,
+            self.sink_keys, self.sink_values, self.sink_len,
+            self.residual_keys, self.residual_values, self.residual_len,
+            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
+            self.value_codes, self.value_scale, self.value_zero, self.num_groups, self.overflowed,
+            self.config.midpoint_correction,
+        )  # fmt: skip
+        self.cumulative_length.add_(1)
+        output = decode_attention(
+            query[:, :, 0], self.order,
+            self.sink_keys, self.sink_values, self.sink_len,
+            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
+            self.value_codes, self.value_scale, self.value_zero, self.num_groups,
+            self.residual_keys, self.residual_values, self.residual_len, scaling,
+        )  # fmt: skip
+        output = torch.where(self.overflowed[:, None, None], float("nan"), output)
+        return output.unsqueeze(2)
+
+    def memory_bytes(self) -> dict[str, int]:
+        parts = super().memory_bytes()
+        if self.is_initialized:
+            parts["masks"] += self.order.numel() * self.order.element_size()
+            parts["lengths"] += self.overflowed.numel() + self.cumulative_length.element_size()
+        return parts
+
+
+class PNMixStaticCache(PNMixCache):
+    """A :class:`~pnmix_patch.cache.PNMixCache` of :class:`PNMixStaticLayer` s: compileable.
+
+    Args:
+        model_config: the model's ``PretrainedConfig``.
+        config: a :class:`~pnmix_patch.PNMixConfig` or preset name.
+        pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
+        max_cache_len: positions to preallocate for (prompt plus generated tokens); required.
+    """
+
+    layer_class = PNMixStaticLayer
+
+    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
+        if max_cache_len is None:
+            raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
+        super().__init__(model_config, config, pairing, max_cache_len)

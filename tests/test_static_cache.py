@@ -1,0 +1,155 @@
+"""The static PN-Mix cache: same results as the dynamic cache, compiled whole without breaks or recompiles."""
+
+import pytest
+import torch
+from conftest import CACHE_KWARG, tiny_model
+from test_cache import SMALL, chunk
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+from pnmix_patch import PNMixLayer, PNMixStaticCache, PNMixStaticLayer, new_cache, patch_model
+
+CONFIGS = {
+    "small": SMALL,
+    "no-sinks": SMALL.replace(sink_tokens=0, name="no-sinks"),
+    "kivi-2": "kivi-2",
+    "fp16": "fp16",
+}
+
+
+def run_layer(layer, prompt, steps, seed=3):
+    """Prefill a left-padded prompt, then decode ``steps`` tokens one at a time."""
+    query, key, value = chunk(2, 2, prompt + steps, 32, seed)
+    valid = torch.ones(2, prompt, dtype=torch.bool)
+    valid[1, :7] = False
+    outputs = [layer.attend(query[:, :, :prompt], key[:, :, :prompt], value[:, :, :prompt], valid, 0.2)]
+    for t in range(prompt, prompt + steps):
+        outputs.append(layer.attend(query[:, :, t : t + 1], key[:, :, t : t + 1], value[:, :, t : t + 1], None, 0.2))
+    return torch.cat(outputs, 2)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_static_layer_matches_dynamic_layer(name):
+    """Same outputs and the same packed codes over prefill and decode steps crossing flushes."""
+    from pnmix_patch.config import resolve_config
+
+    config = resolve_config(CONFIGS[name])
+    dynamic, static = PNMixLayer(config), PNMixStaticLayer(config, max_cache_len=400)
+    torch.testing.assert_close(run_layer(static, 90, 300), run_layer(dynamic, 90, 300), rtol=0, atol=1e-6)
+    for length in ("sink_len", "residual_len", "num_groups"):
+        assert torch.equal(getattr(static, length), getattr(dynamic, length)), length
+    used = int(dynamic.num_groups.max())
+    group = config.key_group_size
+    for part in ("key_codes_high", "key_codes_low", "key_scale", "key_zero"):
+        assert torch.equal(getattr(static, part)[:, :, :used], getattr(dynamic, part)[:, :, :used]), part
+    assert torch.equal(static.value_codes[:, :, : used * group], dynamic.value_codes[:, :, : used * group])
+    assert static.get_seq_length().item() == dynamic.get_seq_length() == 390
+
+
+def test_storage_is_preallocated_and_keeps_its_addresses():
+    layer = PNMixStaticLayer(SMALL, max_cache_len=4 + 64 * 3 + 1)
+    query, key, value = chunk(2, 2, 10, 32, 0)
+    layer.attend(query, key, value, None, 0.2)
+    addresses = {name: tensor.data_ptr() for name, tensor in layer._storage.items()}
+    assert layer.group_capacity == 6  # three flushes of 64 tokens into 32-token groups
+    for t in range(4 + 64 * 3 + 1 - 10):
+        q, k, v = chunk(2, 2, 1, 32, t + 1)
+        layer.attend(q, k, v, None, 0.2)
+    assert layer.num_groups.tolist() == [6, 6] and layer.residual_len.tolist() == [1, 1]
+    assert {name: getattr(layer, name).data_ptr() for name in layer._storage} == addresses
+    with pytest.raises(ValueError, match="max_cache_len=197"):
+        layer.attend(q, k, v, None, 0.2)
+    layer.reset()
+    assert layer.get_seq_length().item() == 0 and not layer.prefilled
+    layer.attend(query, key, value, None, 0.2)
+    assert {name: getattr(layer, name).data_ptr() for name in layer._storage} == addresses
+
+
+def test_outgrowing_the_storage_in_a_compiled_step_gives_nan():
+    """A compiled step cannot raise: a sequence past the storage reads NaN, the others are unaffected."""
+    layer = PNMixStaticLayer(SMALL, max_cache_len=4 + 64 + 1)
+    query, key, value = chunk(2, 2, 5 + 64, 32, 0)
+    valid = torch.ones(2, 5 + 64, dtype=torch.bool)
+    valid[1, :60] = False  # sequence 1 holds 9 tokens, sequence 0 a full storage but for 63 residual slots
+    layer.attend(query, key, value, valid, 0.2)
+    for seed in range(64):  # bypass the eager max_cache_len check, as a compiled step does
+        output = layer._decode_step(*chunk(2, 2, 1, 32, seed), 0.2)
+    assert layer.overflowed.tolist() == [True, False]
+    assert output[0].isnan().all() and not output[1].isnan().any()
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match="needs max_cache_len"):
+        PNMixStaticCache(tiny_model("llama").config)
+    with pytest.raises(ValueError, match="max_cache_len, a positive int; got 0"):
+        PNMixStaticLayer(SMALL, max_cache_len=0)
+    layer = PNMixStaticLayer(SMALL, max_cache_len=100)
+    layer.attend(*chunk(2, 2, 10, 32, 0), None, 0.2)
+    with pytest.raises(ValueError, match="keeps its batch size 2; got 3 indices"):
+        layer.batch_select_indices(torch.tensor([0, 1, 1]))
+
+
+def greedy(forward, model, cache, prompt, steps):
+    """Greedy tokens: prefill eagerly, then ``steps`` decode steps through ``forward``."""
+    with torch.no_grad():
+        logits = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1]
+        tokens = [logits.argmax(-1, keepdim=True)]
+        for _ in range(steps):
+            logits = forward(input_ids=tokens[-1], **{CACHE_KWARG: cache}).logits[:, -1]
+            tokens.append(logits.argmax(-1, keepdim=True))
+    return torch.cat(tokens, 1)
+
+
+def test_compiled_decode_step_has_no_graph_break_and_no_recompile():
+    """2,000 decode steps (31 flushes) through ``torch.compile(fullgraph=True)``: one graph,
+    compiled once, the same greedy tokens as eager decoding with the dynamic cache."""
+    model = patch_model(tiny_model("llama"), SMALL)
+    prompt = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    steps = 2000
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, mode="default")
+    tokens = greedy(compiled, model, new_cache(model, prompt.shape[1] + steps, static=True), prompt, steps)
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
+    assert counters["stats"]["calls_captured"] > 0 and sum(counters["recompiles"].values()) == 0
+    assert torch.equal(tokens, greedy(model.forward, model, new_cache(model), prompt, steps))
+
+
+def test_generate_static_cache_compiles_once_and_matches_eager():
+    """``generate(cache_implementation="static")`` gets a static PN-Mix cache, runs its compiled
+    decode path (``compile_config``; on CPU ``_compile_all_devices``), and reuses it on the next call."""
+    model = patch_model(tiny_model("llama"), SMALL)
+    model.generation_config.pad_token_id = 0
+    prompt = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(prompt)
+    mask[1, :6] = 0
+    expected = model.generate(prompt, attention_mask=mask, max_new_tokens=150, do_sample=False)
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        output = model.generate(
+            prompt, attention_mask=mask, max_new_tokens=150, do_sample=False,
+            cache_implementation="static", compile_config=compile_config, return_dict_in_generate=True,
+        )  # fmt: skip
+        assert torch.equal(output.sequences, expected)
+    cache = output.cache if hasattr(output, "cache") else output.past_key_values
+    assert isinstance(cache, PNMixStaticCache)
+    assert counters["stats"]["unique_graphs"] == 1 and dict(counters["graph_break"]) == {}
+
+
+def test_memory_report_counts_the_preallocated_storage():
+    model = patch_model(tiny_model("llama"), SMALL)
+    prompt = torch.randint(0, 96, (1, 100), generator=torch.Generator().manual_seed(0))
+    static, dynamic = new_cache(model, 1000, static=True), new_cache(model)
+    with torch.no_grad():
+        model(input_ids=prompt, **{CACHE_KWARG: static})
+        model(input_ids=prompt, **{CACHE_KWARG: dynamic})
+    static_report, dynamic_report = static.memory_report(), dynamic.memory_report()
+    # layers x batch x heads x groups x G x head_dim: 15 flushes of 64 tokens fit in 1000 positions
+    assert static_report["quantized_elements"] == 2 * 1 * 2 * 30 * 32 * 32
+    assert static_report["total_bytes"] > dynamic_report["total_bytes"]
+    # the same codes and scales per element; masks add the stored channel order (int64 per channel)
+    assert 0 < static_report["key_bits_per_element"] - dynamic_report["key_bits_per_element"] < 0.1
