@@ -43,36 +43,26 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pnmix_patch import new_cache, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
+from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
 
-MODELS = {
-    "qwen3-8b": lambda: Qwen3Config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        tie_word_embeddings=False,
-    ),
-    # llama3 RoPE scaling is left out: it changes the rotation frequencies, not the cost.
-    "llama-3.1-8b": lambda: LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
-    ),
-}  # fmt: skip
+MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
 CONTEXTS = (1024, 8192, 32768)
 PROMPT, WARMUP, STEPS = 64, 8, 40
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """SDPA with ``enable_gqa=True``: the KV heads are read once, never expanded (``repeat_kv``)."""
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True,
-        is_causal=attention_mask is None and query.shape[2] > 1,
-    )  # fmt: skip
+    """Decode steps: SDPA with ``enable_gqa=True``, the KV heads read once, never expanded
+    (``repeat_kv``). Prefill chunks take transformers' stock SDPA path."""
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2), None
 
 
@@ -239,31 +229,31 @@ def fill_bf16(cache, context: int) -> int:
     return nbytes
 
 
-def time_steps(forward, model, cache, name) -> list[float]:
-    """Per-step milliseconds (CUDA events) of ``STEPS`` decode steps after ``WARMUP`` ones."""
-    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+def time_steps(forward, model, cache, name, batch=1, warmup=WARMUP, steps=STEPS) -> list[float]:
+    """Per-step milliseconds (CUDA events) of ``steps`` decode steps after ``warmup`` ones."""
+    token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
     times = []
     with torch.no_grad():
-        for step in range(WARMUP + STEPS):
+        for step in range(warmup + steps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             logits = forward(input_ids=token, **{name: cache}).logits
             end.record()
             end.synchronize()
             token = logits[:, -1:].argmax(-1)
-            if step >= WARMUP:
+            if step >= warmup:
                 times.append(start.elapsed_time(end))
     return times
 
 
-def prefill(model, cache, name):
-    prompt = torch.randint(0, 1000, (1, PROMPT), device=model.device)
+def prefill(model, cache, name, batch=1, tokens=PROMPT):
+    prompt = torch.randint(0, 1000, (batch, tokens), device=model.device)
     with torch.no_grad():
-        model(input_ids=prompt, **{name: cache})
+        model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
 def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
-    config = MODELS[model_name]()
+    config = model_config(model_name)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -327,7 +317,7 @@ def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", action="append", choices=sorted(MODELS), required=True)
+    parser.add_argument("--model", action="append", choices=MODELS, required=True)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--skip-checks", action="store_true")
     args = parser.parse_args()

@@ -3,8 +3,9 @@
 The replacement keeps the module's own projections, q/k norms and RoPE (the
 architecture adapter in ``pnmix_patch.patches`` says how), then hands the
 post-RoPE queries, keys and values to the layer's :class:`~pnmix_patch.cache.PNMixLayer`,
-which attends and appends. Without a cache (``use_cache=False``) it is exact
-attention.
+which attends and appends. Without a cache (``use_cache=False``), and for the
+first chunk into an empty cache (the prefill), it is exact attention through torch
+SDPA (:func:`chunk_attention`).
 
 :func:`cache_attention` is the reference: it dequantizes the packed groups on the
 fly (float32) and runs a masked softmax over sinks, quantized groups, residual and
@@ -14,6 +15,7 @@ the new chunk. The Triton decode kernel is tested against it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -41,6 +43,25 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     readable = allowed.flatten(1, 3).any(1)[:, None, :, None]
     output = torch.einsum("bhgts,bhsd->bhgtd", weights, torch.where(readable, values.float(), 0.0))
     return output.reshape(batch, query_heads, chunk, head_dim)
+
+
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Exact causal attention of a chunk over itself (no cache, or a cache holding nothing yet).
+
+    ``query [B, Hq, T, D]``, ``key/value [B, H, T, D]``, ``valid`` bool ``[B, T]`` or None.
+    Runs torch SDPA (flash or memory-efficient kernels on CUDA, no ``T x T`` float32
+    scores), so long prompts prefill fast. Rows of padding queries are zero.
+    """
+    ratio = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(ratio, 1), value.repeat_interleave(ratio, 1)
+    if valid is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling)
+    chunk = key.shape[2]
+    # Padding never reaches the output, not even as NaN through 0 * NaN.
+    key, value = (torch.where(valid[:, None, :, None], x, 0.0) for x in (key, value))
+    allowed = (torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril() & valid[:, None, :])[:, None]
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=allowed, scale=scaling)
+    return torch.where(allowed.any(-1, keepdim=True), output, 0.0)  # a row with no key: zeros, not NaN
 
 
 def cache_attention(layer, query, key, value, valid, scaling) -> torch.Tensor:
@@ -93,12 +114,7 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
     query, key = self._pnmix_rotary(query, key, cos, sin)
     batch, chunk = hidden_states.shape[:2]
     if cache is None:
-        valid = chunk_validity(attention_mask, batch, chunk, hidden_states.device)
-        if valid is None:
-            valid = torch.ones(batch, chunk, dtype=torch.bool, device=hidden_states.device)
-        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
-        allowed = (causal[None] & valid[:, None, :])[:, None]
-        output = masked_attention(query, key, value, allowed, self.scaling).to(query.dtype)
+        output = chunk_attention(query, key, value, chunk_validity(attention_mask, batch, chunk, hidden_states.device), self.scaling)
     else:
         layer = cache.layers[self.layer_idx]
         if not hasattr(layer, "attend"):

@@ -16,7 +16,8 @@ Token regions of every sequence ``b`` (``shared/PNMIX_SPEC.md`` section 3)::
 
 Attention through a layer (:meth:`PNMixLayer.attend`) is: flush full residual
 buffers of sequences receiving tokens; attend over the cache plus the new chunk's
-exact keys and values (causal within the chunk, so prefill is exact attention);
+exact keys and values (causal within the chunk, so prefill is exact attention; into
+an empty cache it runs as torch SDPA);
 append the chunk. A decode step therefore sees sinks, quantized groups and the
 residual including its own token.
 
@@ -31,7 +32,7 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import cache_attention, chunk_validity
+from .attention import cache_attention, chunk_attention, chunk_validity
 from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
@@ -200,7 +201,10 @@ class PNMixLayer(CacheLayerMixin):
             self._append(key, value, valid, incoming)
             output = self._decode_attention(query[:, :, 0], scaling).unsqueeze(2)
         else:
-            output = cache_attention(self, query, key, value, valid, scaling)
+            if self.seen_tokens == 0:  # the prefill: nothing cached, exact causal attention through SDPA
+                output = chunk_attention(query, key, value, valid, scaling)
+            else:
+                output = cache_attention(self, query, key, value, valid, scaling)
             self._append(key, value, valid, incoming)
         self.seen_tokens += chunk
         return output

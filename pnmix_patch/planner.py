@@ -1,0 +1,254 @@
+"""Capacity planning: KV-cache bytes, peak GPU memory, the largest batch, the longest generation.
+
+For a model config, a preset, a batch, a prompt and a generation length:
+
+- **KV-cache bytes** are what the static caches allocate for ``prompt + generated``
+  positions. bf16: ``2 (K, V) x layers x batch x kv_heads x positions x head_dim x 2``
+  bytes (transformers' ``StaticCache``). PN-Mix: one :class:`~pnmix_patch.static_cache.PNMixStaticLayer`
+  is allocated on the ``meta`` device (no memory) and its ``memory_bytes()`` summed,
+  times the layers: sinks, residual, packed groups, scales, masks and channel order,
+  exactly what a real run allocates, never a restated formula.
+- **Weights** are counted from the model built on the ``meta`` device.
+- **Working memory** of the largest step is an estimate (the one part not read from
+  the code): the prefill of ``batch x prompt`` tokens (hidden states, q/k/v and the
+  repeated keys/values of exact attention, the MLP's three intermediate tensors, pair
+  scores), a decode step's float32 logits, and for bf16 one layer's keys and values
+  expanded to the query heads over the whole static cache (transformers' SDPA path).
+  Measured peaks assume ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (little
+  fragmentation); without it the allocator can hold a GiB or more of unusable blocks.
+- **Peak** = weights + cache + working memory. The largest batch for a length and the
+  longest generation for a batch are the largest values whose peak fits the budget.
+
+``benchmarks/bench_throughput.py`` compares these plans with measured peaks on a GPU.
+Command line: ``python -m pnmix_patch.planner --model qwen3-8b --batch 32 --prompt 141
+--generate 8192 --budget 40GB`` (also ``pnmix plan``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+import torch
+
+from .config import PNMixConfig, resolve_config
+
+MODEL_SHAPES = {
+    "qwen3-8b": dict(
+        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    ),
+    # llama3 RoPE scaling is left out: it changes the rotation frequencies, not sizes or cost.
+    "llama-3.1-8b": dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+"""Configs of real model shapes (random weights time and size the same as real ones)."""
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def model_config(model) -> object:
+    """A transformers config from a config object, a shape name of :data:`MODEL_SHAPES`,
+    ``"smollm2"``, a ``.gguf`` file, a local folder or a hub id."""
+    from transformers import AutoConfig
+
+    if not isinstance(model, str):
+        return model
+    if model in MODEL_SHAPES:
+        fields = dict(MODEL_SHAPES[model])
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if model == "smollm2":
+        from .models import smollm2_path
+
+        model = str(smollm2_path())
+    if model.endswith(".gguf"):
+        import os
+
+        folder, file = os.path.split(os.path.abspath(model))
+        return AutoConfig.from_pretrained(folder, gguf_file=file)
+    return AutoConfig.from_pretrained(model)
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"40GB"``, ``"39.5GiB"``, ``"1e9"`` or a number of bytes -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    if not match or match.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot read a memory size from {text!r}: allowed e.g. '40GB', '39.5GiB', '4e10'")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+class CapacityPlanner:
+    """Memory plans of one model in one dtype.
+
+    Args:
+        model: a config or anything :func:`model_config` accepts.
+        dtype: the model's dtype (weights, activations, bf16 cache), default bfloat16.
+    """
+
+    def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
+        from transformers import AutoModelForCausalLM
+
+        self.config = model_config(model).get_text_config(decoder=True)
+        self.dtype = dtype
+        config = self.config
+        self.layers = config.num_hidden_layers
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        with torch.device("meta"):
+            meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+        del meta_model
+
+    # -------------------------------------------------------------- cache bytes
+    def bf16_cache_bytes(self, batch: int, positions: int) -> int:
+        """Bytes of a transformers ``StaticCache`` in the model dtype for ``positions``."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.layers * batch * self.kv_heads * positions * self.head_dim * element
+
+    def pnmix_cache_bytes(self, preset: PNMixConfig | str, batch: int, positions: int) -> int:
+        """Bytes a :class:`~pnmix_patch.static_cache.PNMixStaticCache` allocates for ``positions``."""
+        from .static_cache import PNMixStaticLayer
+
+        layer = PNMixStaticLayer(resolve_config(preset), max_cache_len=positions)
+        states = torch.empty(batch, self.kv_heads, 1, self.head_dim, dtype=self.dtype, device="meta")
+        layer.lazy_initialization(states, states)
+        parts = layer.memory_bytes()
+        del parts["quantized_elements"]
+        return self.layers * sum(parts.values())
+
+    def cache_bytes(self, preset: PNMixConfig | str | None, batch: int, positions: int) -> int:
+        """bf16 cache bytes when ``preset`` is None, else the preset's."""
+        if preset is None:
+            return self.bf16_cache_bytes(batch, positions)
+        return self.pnmix_cache_bytes(preset, batch, positions)
+
+    # ------------------------------------------------------------- peak memory
+    def working_bytes(self, batch: int, prompt: int, quantized: bool, positions: int = 0) -> int:
+        """Estimated transient memory of the largest step: prefill of ``batch x prompt`` tokens,
+        or a decode step's float32 logits (see the module docstring). For the bf16 static
+        cache (``quantized=False``) also one layer's keys and values expanded to the query
+        heads over all ``positions`` (transformers' SDPA path repeats the KV heads)."""
+        config, element = self.config, torch.empty((), dtype=self.dtype).element_size()
+        tokens = batch * prompt
+        q_heads = config.num_attention_heads
+        per_token = (
+            4 * config.hidden_size  # residual stream, normed input, attention output, MLP output
+            + (q_heads + 2 * self.kv_heads) * self.head_dim  # q, k, v
+            + 2 * q_heads * self.head_dim  # keys and values repeated to the query heads for SDPA
+            + 3 * config.intermediate_size  # gate, up, act(gate) * up
+        ) * element
+        if quantized:  # pair scores of the prompt (float32 query/key pair norms)
+            per_token += (q_heads + self.kv_heads) * self.head_dim // 2 * 4
+        logits = 2 * batch * config.vocab_size * 4  # last-token logits in float32, and their copy
+        expanded = 0 if quantized else 2 * batch * q_heads * positions * self.head_dim * element
+        return tokens * per_token + logits + expanded
+
+    def peak_bytes(self, preset: PNMixConfig | str | None, batch: int, prompt: int, generated: int) -> int:
+        """Weights + cache for ``prompt + generated`` positions + working memory."""
+        positions = prompt + generated
+        return (
+            self.weight_bytes
+            + self.cache_bytes(preset, batch, positions)
+            + self.working_bytes(batch, prompt, preset is not None, positions)
+        )
+
+    def largest_batch(self, preset, prompt: int, generated: int, budget: int) -> int:
+        """Largest batch whose peak fits ``budget`` bytes (0 if none)."""
+        return _largest(lambda batch: self.peak_bytes(preset, batch, prompt, generated) <= budget, 0)
+
+    def longest_generation(self, preset, batch: int, prompt: int, budget: int) -> int:
+        """Most tokens ``batch`` sequences can generate after ``prompt`` within ``budget`` (0 if none)."""
+        return _largest(lambda generated: self.peak_bytes(preset, batch, prompt, generated) <= budget, 0)
+
+    def plan(self, preset: PNMixConfig | str, batch: int, prompt: int, generated: int, budget: int | None = None) -> dict:
+        """The plan of the module docstring for bf16 and ``preset``, as a dict of plain numbers."""
+        preset = resolve_config(preset)
+        positions = prompt + generated
+        result = {
+            "model_type": self.config.model_type, "dtype": str(self.dtype).replace("torch.", ""), "preset": preset.name,
+            "batch": batch, "prompt": prompt, "generated": generated, "weight_bytes": self.weight_bytes,
+        }  # fmt: skip
+        for label, method in (("bf16", None), (preset.name, preset)):
+            entry = {
+                "cache_bytes": self.cache_bytes(method, batch, positions),
+                "working_bytes": self.working_bytes(batch, prompt, method is not None, positions),
+                "peak_bytes": self.peak_bytes(method, batch, prompt, generated),
+            }
+            if budget is not None:
+                entry["largest_batch"] = self.largest_batch(method, prompt, generated, budget)
+                entry["longest_generation"] = self.longest_generation(method, batch, prompt, budget)
+            result[label] = entry
+        result["cache_ratio"] = result["bf16"]["cache_bytes"] / result[preset.name]["cache_bytes"]
+        if budget is not None:
+            result["budget_bytes"] = budget
+        return result
+
+
+def _largest(fits, low: int) -> int:
+    """Largest integer ``n >= low`` with ``fits(n)``, for a monotone ``fits`` (``low`` if none above)."""
+    if not fits(low + 1):
+        return low
+    high = low + 1
+    while fits(high * 2):
+        high *= 2
+        if high > 2**40:
+            raise ValueError("the budget fits an unbounded size: is the model empty?")
+    high *= 2  # fits(high // 2) and not fits(high)
+    low = high // 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def format_plan(plan: dict) -> str:
+    """A short human-readable table of :meth:`CapacityPlanner.plan`'s result."""
+    gib = 2**30
+    preset = plan["preset"]
+    lines = [
+        f"{plan['model_type']} ({plan['dtype']}), batch {plan['batch']}, prompt {plan['prompt']} + "
+        f"{plan['generated']} generated tokens; weights {plan['weight_bytes'] / gib:.2f} GiB",
+        f"{'':12s} {'KV cache':>12s} {'working':>10s} {'peak':>10s}" + ("  largest batch  longest generation" if "budget_bytes" in plan else ""),
+    ]
+    for label in ("bf16", preset):
+        entry = plan[label]
+        line = f"{label:12s} {entry['cache_bytes'] / gib:9.2f} GiB {entry['working_bytes'] / gib:6.2f} GiB {entry['peak_bytes'] / gib:6.2f} GiB"
+        if "budget_bytes" in plan:
+            line += f"  {entry['largest_batch']:13d}  {entry['longest_generation']:18d}"
+        lines.append(line)
+    lines.append(f"cache compression: {plan['cache_ratio']:.2f}x" + (
+        f"; budget {plan['budget_bytes'] / gib:.2f} GiB" if "budget_bytes" in plan else ""))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"a shape ({', '.join(MODEL_SHAPES)}), 'smollm2', a .gguf file, a folder or a hub id")
+    parser.add_argument("--preset", default="pnmix-1")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=141, help="prompt tokens (default 141)")
+    parser.add_argument("--generate", type=int, default=8192, help="generated tokens (default 8192)")
+    parser.add_argument("--budget", default=None, help="memory budget, e.g. 40GB or 39.5GiB: adds the largest batch and longest generation")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("batch", "prompt", "generate"):
+        if getattr(args, name) < (1 if name != "generate" else 0):
+            raise SystemExit(f"--{name} must be positive, got {getattr(args, name)}")
+    planner = CapacityPlanner(args.model, getattr(torch, args.dtype))
+    plan = planner.plan(args.preset, args.batch, args.prompt, args.generate, None if args.budget is None else parse_bytes(args.budget))
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m pnmix_patch.planner", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    raise SystemExit(run(parser.parse_args()))

@@ -1,0 +1,58 @@
+"""The capacity planner: cache and weight bytes equal what real caches and models allocate."""
+
+import pytest
+import torch
+from conftest import CACHE_KWARG, tiny_model
+from transformers import StaticCache
+
+from pnmix_patch import new_cache, patch_model
+from pnmix_patch.planner import MODEL_SHAPES, CapacityPlanner, format_plan, parse_bytes
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("preset", ["pnmix-1", "pnmix-2", "kivi-2", "fp16"])
+@pytest.mark.parametrize("positions", [40, 37 + 128, 700])
+def test_pnmix_cache_bytes_equal_the_static_cache_allocation(model, preset, positions):
+    patch_model(model, preset)
+    cache = new_cache(model, max_cache_len=positions, static=True)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(3, 20, dtype=torch.long), **{CACHE_KWARG: cache})
+    planner = CapacityPlanner(model.config, dtype=torch.float32)
+    assert planner.pnmix_cache_bytes(preset, 3, positions) == cache.memory_report()["total_bytes"]
+
+
+def test_bf16_cache_and_weight_bytes_equal_real_allocations(model):
+    model = tiny_model("llama").to(torch.bfloat16)
+    cache = StaticCache(config=model.config, max_cache_len=300)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(2, 10, dtype=torch.long), **{CACHE_KWARG: cache})
+    allocated = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    planner = CapacityPlanner(model.config)
+    assert planner.bf16_cache_bytes(2, 300) == allocated
+    assert planner.weight_bytes == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_largest_batch_and_longest_generation_are_the_edges_of_the_budget():
+    planner = CapacityPlanner("qwen3-8b")
+    budget = parse_bytes("40GiB")
+    for preset in (None, "pnmix-1"):
+        batch = planner.largest_batch(preset, 141, 8192, budget)
+        assert planner.peak_bytes(preset, batch, 141, 8192) <= budget < planner.peak_bytes(preset, batch + 1, 141, 8192)
+        longest = planner.longest_generation(preset, 32, 141, budget)
+        assert planner.peak_bytes(preset, 32, 141, longest) <= budget < planner.peak_bytes(preset, 32, 141, longest + 1)
+    plan = planner.plan("pnmix-1", 32, 141, 8192, budget)
+    assert plan["pnmix-1"]["largest_batch"] > 5 * plan["bf16"]["largest_batch"]
+    assert 6 < plan["cache_ratio"] < 7.5
+    assert "largest batch" in format_plan(plan)
+
+
+def test_sizes_and_models_are_checked():
+    assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes(7) == 7
+    with pytest.raises(ValueError, match="cannot read a memory size from '40 apples'"):
+        parse_bytes("40 apples")
+    assert set(MODEL_SHAPES) == {"qwen3-8b", "llama-3.1-8b"}
+    assert CapacityPlanner("llama-3.1-8b").weight_bytes == 2 * 8_030_261_248  # Llama-3.1-8B's parameter count
