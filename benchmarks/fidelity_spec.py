@@ -20,20 +20,12 @@ from pathlib import Path
 
 import torch
 
-from pnmix_patch import PRESETS
+from pnmix_patch.evaluation import METHODS
 from pnmix_patch.fidelity import reference_logits, teacher_force
 from pnmix_patch.models import hamlet_text, load_model
 
-VARIANTS = {
-    **PRESETS,
-    "pnmix-1-no-midpoint": PRESETS["pnmix-1"].replace(midpoint_correction=False, name="pnmix-1-no-midpoint"),
-    "pnmix-1-no-sinks": PRESETS["pnmix-1"].replace(sink_tokens=0, name="pnmix-1-no-sinks"),
-    # the same bit budget, pairs chosen by the key-only criteria of the paper's comparison
-    **{
-        f"pnmix-1-{criterion.replace('_', '-')}": PRESETS["pnmix-1"].replace(selection=criterion, name=f"pnmix-1-{criterion}")
-        for criterion in ("k_pair_norm", "k_magnitude", "k_range")
-    },
-}
+VARIANTS = METHODS
+"""Presets, selection-criteria variants, ablations and sweep points (``pnmix_patch.evaluation``)."""
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -38,7 +38,10 @@ from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
 from .kernels.pack_values import pack_values
 from .quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
-from .selection import PAIRINGS, pack_mask, pair_scores, pairs_to_channels, select_top_pairs, unpack_mask
+from .selection import (
+    PAIRINGS, group_channel_masks, pack_mask, pair_norms, pair_scores, pairs_to_channels, select_top_pairs, split_pairs,
+    unpack_mask,
+)  # fmt: skip
 
 _STATE = (
     "sink_keys", "sink_values", "sink_len",
@@ -46,6 +49,7 @@ _STATE = (
     "key_codes_high", "key_codes_low", "key_scale", "key_zero",
     "value_codes", "value_scale", "value_zero", "num_groups",
     "pair_mask_bits", "selected",
+    "group_mask_bits", "query_norm_sum", "query_count",
 )  # fmt: skip
 
 
@@ -77,7 +81,7 @@ class PNMixLayer(CacheLayerMixin):
             raise ValueError(f"head_dim={head_dim} cannot be bit-packed: allowed a multiple of 32")
         self.batch_size, self.num_heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_high = 2 * cfg.num_selected_pairs(head_dim) if cfg.quantize else head_dim
+        self.num_high = cfg.num_high_channels(head_dim) if cfg.quantize else head_dim
         self.value_group = cfg.value_group(head_dim) if cfg.quantize else head_dim
         residual_capacity = cfg.residual_tokens if cfg.quantize else 0
 
@@ -102,6 +106,13 @@ class PNMixLayer(CacheLayerMixin):
         self.value_zero = torch.zeros_like(self.value_scale)
         self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
         self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        # Per-group re-selection only (config.reselection="per_group"): a selection mask per
+        # stored group, and the running sum of GQA-averaged query pair norms for qk_pair_norm.
+        units = head_dim if cfg.selection_unit == "channel" else head_dim // 2
+        self.group_mask_bits = ints(batch, heads, 0, -(-units // 32))
+        tracks_queries = cfg.reselection == "per_group" and cfg.selection == "qk_pair_norm"
+        self.query_norm_sum = torch.zeros(batch, heads, head_dim // 2 if tracks_queries else 0, device=self.device)
+        self.query_count = ints(batch)
         self.is_initialized = True
 
     # ------------------------------------------------------------ transformers API
@@ -153,6 +164,16 @@ class PNMixLayer(CacheLayerMixin):
         return pairs_to_channels(self.selected_pairs, self.pairing)
 
     @property
+    def stored_channel_mask(self) -> torch.Tensor:
+        """High-precision channels the packed keys were written with: bool ``[B, H, D]`` (one
+        selection per sequence) or ``[B, H, groups, D]`` (per-group re-selection)."""
+        if self.config.reselection == "prefill":
+            return self.channel_mask
+        if self.config.selection_unit == "channel":
+            return unpack_mask(self.group_mask_bits, self.head_dim)
+        return pairs_to_channels(unpack_mask(self.group_mask_bits, self.head_dim // 2), self.pairing)
+
+    @property
     def group_capacity(self) -> int:
         return self.key_scale.shape[2]
 
@@ -189,20 +210,21 @@ class PNMixLayer(CacheLayerMixin):
             self.lazy_initialization(key, value)
         if key.shape[0] != self.batch_size:
             raise ValueError(f"batch size {key.shape[0]} does not match the cache's batch size {self.batch_size}")
+        all_real = valid is None  # (then the prefill takes SDPA's causal path, no mask)
         if valid is None:
             valid = torch.ones(key.shape[0], chunk, dtype=torch.bool, device=key.device)
         incoming = valid.sum(1).to(torch.int32)
         self._select_pairs(query, key, valid, incoming)
         # A full residual buffer is flushed before a token is added to it.
         self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
-        if chunk == 1 and self.config.quantize:
+        if chunk == 1 and self.config.quantize and self.config.reselection == "prefill":
             # Decode: the token joins the residual, then the fused op reads the packed cache
             # (Triton on CUDA, the PyTorch reference elsewhere).
             self._append(key, value, valid, incoming)
             output = self._decode_attention(query[:, :, 0], scaling).unsqueeze(2)
         else:
             if self.seen_tokens == 0:  # the prefill: nothing cached, exact causal attention through SDPA
-                output = chunk_attention(query, key, value, valid, scaling)
+                output = chunk_attention(query, key, value, None if all_real else valid, scaling)
             else:
                 output = cache_attention(self, query, key, value, valid, scaling)
             self._append(key, value, valid, incoming)
@@ -224,6 +246,9 @@ class PNMixLayer(CacheLayerMixin):
 
     def _select_pairs(self, query, key, valid, incoming) -> None:
         if not self.config.quantize:
+            return
+        if self.config.reselection == "per_group":
+            self._track_query_norms(query, valid)  # groups select when they are flushed
             return
         pending = incoming.gt(0) & ~self.selected
         if not bool(pending.any()):
@@ -288,10 +313,7 @@ class PNMixLayer(CacheLayerMixin):
             counts = torch.where(rows_mask, self.residual_len, 0)
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
-        order = channel_order(self.channel_mask[rows])
-        codes_high, codes_low, key_scale, key_zero = pack_keys(
-            block_k, order, self.num_high, group, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction
-        )
+        codes_high, codes_low, key_scale, key_zero, group_masks = self._pack_key_groups(block_k, rows)
         value_codes, value_scale, value_zero = pack_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction)
 
         new_groups = counts[rows] // group
@@ -302,6 +324,8 @@ class PNMixLayer(CacheLayerMixin):
         self.key_codes_low[target_rows, :, target_groups] = codes_low[group_rows, :, group_cols]
         self.key_scale[target_rows, :, target_groups] = key_scale[group_rows, :, group_cols]
         self.key_zero[target_rows, :, target_groups] = key_zero[group_rows, :, group_cols]
+        if group_masks is not None:
+            self.group_mask_bits[target_rows, :, target_groups] = group_masks[group_rows, :, group_cols]
         token_offsets = torch.arange(group, device=keys.device)
         target_tokens = (target_groups * group)[:, None] + token_offsets
         source_tokens = (group_cols * group)[:, None] + token_offsets
@@ -312,6 +336,40 @@ class PNMixLayer(CacheLayerMixin):
         self.num_groups = self.num_groups + torch.zeros_like(self.num_groups).index_put((rows,), new_groups)
         if keys is self.residual_keys:
             self.residual_len = torch.where(rows_mask, 0, self.residual_len)
+
+    def _pack_key_groups(self, block_k, rows):
+        """Quantize and pack ``block_k [rows, H, tokens, D]`` (whole groups) into key groups.
+
+        Returns ``pack_keys``'s four tensors and, with per-group re-selection, every group's
+        packed selection mask ``[rows, H, groups, words]`` (else None).
+        """
+        cfg = self.config
+
+        def pack(keys, order):
+            return pack_keys(keys, order, self.num_high, cfg.key_group_size, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction)
+
+        if cfg.reselection == "prefill":
+            return (*pack(block_k, channel_order(self.channel_mask[rows])), None)
+        batch, heads, tokens, head_dim = block_k.shape
+        group = cfg.key_group_size
+        query_mean = None
+        if cfg.selection == "qk_pair_norm":
+            query_mean = self.query_norm_sum[rows] / self.query_count[rows].clamp_min(1)[:, None, None]
+        grouped = block_k.reshape(batch, heads, tokens // group, group, head_dim)
+        masks = group_channel_masks(grouped, cfg.selection, cfg.selection_unit, self.pairing, self.num_high, query_mean)
+        orders = channel_order(masks)
+        parts = [pack(block_k[:, :, g * group : (g + 1) * group], orders[:, :, g]) for g in range(tokens // group)]
+        units = masks if cfg.selection_unit == "channel" else split_pairs(masks, self.pairing)[0]
+        return (*(torch.cat(part, dim=2) for part in zip(*parts)), pack_mask(units))
+
+    def _track_query_norms(self, query, valid) -> None:
+        """Add the chunk's real queries' pair norms (GQA-averaged per KV head) to the running sum."""
+        if self.query_norm_sum.shape[-1] == 0:
+            return
+        batch, _, _, head_dim = query.shape
+        norms = torch.where(valid[:, None, :, None], pair_norms(query, self.pairing), 0.0).sum(2)
+        self.query_norm_sum = self.query_norm_sum + norms.view(batch, self.num_heads, -1, head_dim // 2).mean(2)
+        self.query_count = self.query_count + valid.sum(1).to(torch.int32)
 
     def _reserve_groups(self, needed: int) -> None:
         """Grow the packed storage to hold ``needed`` groups per sequence."""
@@ -329,6 +387,8 @@ class PNMixLayer(CacheLayerMixin):
         self.key_scale, self.key_zero = grow(self.key_scale, extra), grow(self.key_zero, extra)
         self.value_codes = grow(self.value_codes, extra * group)
         self.value_scale, self.value_zero = grow(self.value_scale, extra * group), grow(self.value_zero, extra * group)
+        if self.config.reselection == "per_group":
+            self.group_mask_bits = grow(self.group_mask_bits, extra)
 
     # ---------------------------------------------------------------- reading
     def quantized_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -337,7 +397,7 @@ class PNMixLayer(CacheLayerMixin):
         if self.group_capacity == 0:
             empty = torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
             return empty, empty
-        keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.channel_mask)
+        keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.stored_channel_mask)
         values = dequantize_values(self.value_codes, self.value_scale, self.value_zero)
         return keys, values
 
@@ -356,7 +416,11 @@ class PNMixLayer(CacheLayerMixin):
             "packed_values": size("value_codes"),
             "key_scales_zeros": size("key_scale", "key_zero"),
             "value_scales_zeros": size("value_scale", "value_zero"),
-            "masks": size("pair_mask_bits") if 0 < self.num_high < self.head_dim else 0,
+            "masks": (
+                size("group_mask_bits", "query_norm_sum", "query_count")
+                if self.config.reselection == "per_group"
+                else size("pair_mask_bits") if 0 < self.num_high < self.head_dim else 0
+            ),
             "lengths": size("sink_len", "residual_len", "num_groups", "selected"),
             # element slots of the quantized region (per keys, and per values)
             "quantized_elements": self.batch_size * self.num_heads * self.group_capacity * self.config.key_group_size * self.head_dim,

@@ -1,9 +1,16 @@
-"""Command line: ``pnmix demo`` (also ``python -m pnmix_patch demo``).
+"""Command line: ``pnmix demo``, ``pnmix eval`` and ``pnmix plan`` (also ``python -m pnmix_patch ...``).
 
 ``demo`` generates a long answer with the unquantized cache and with PN-Mix on the
 same model, prints both texts, the KV-cache bytes each holds, the compression ratio,
 and the top-1 agreement: the PN-Mix model is teacher-forced along the unquantized answer and
 its next-token choice compared with the unquantized one at every step.
+
+``eval`` measures fidelity to full precision on a real model (attention KL of decode
+queries, long-output teacher-forced KL and top-1) for presets, selection criteria,
+ablations and a bit-rate sweep, writes JSON and PNG plots, and prints a table
+(:mod:`pnmix_patch.evaluation`). ``--quick`` is the CI-sized run.
+
+``plan`` prints the capacity plan of :mod:`pnmix_patch.planner`.
 """
 
 from __future__ import annotations
@@ -16,9 +23,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from . import planner
 from .api import new_cache, patch_model, unpatch_model
 from .config import PRESETS
 from .models import DEFAULT_MODEL, load_model
+
+EVAL_OUTPUT = "benchmarks/results/eval_{model}.json"
 
 DEMO_QUESTION = (
     "A train leaves at 9:40 and travels 180 km at 72 km/h, then stops for 25 minutes and covers the "
@@ -107,6 +117,33 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def evaluate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from . import evaluation
+
+    if args.quick:
+        sizes = evaluation.QUICK
+        args.context, args.queries, args.long_tokens, args.prompts = (
+            sizes["context"], sizes["queries"], sizes["long_tokens"], sizes["prompts"],
+        )  # fmt: skip
+        args.methods = args.methods or sizes["methods"]
+    methods = evaluation.resolve_methods(args.methods or ["presets", "criteria", "ablations", "sweep"])
+    model_label = Path(args.model).stem if args.model.endswith(".gguf") else args.model
+    output = Path(args.output or EVAL_OUTPUT.format(model=model_label + ("_quick" if args.quick else "")))
+    torch.manual_seed(0)
+    print(f"loading {args.model} ({args.dtype}) ...", flush=True)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+    results = evaluation.run_evaluation(
+        model, tokenizer, model_label, args.metrics, methods, output,
+        context=args.context, queries=args.queries, long_tokens=args.long_tokens, prompts=args.prompts,
+    )  # fmt: skip
+    plots = evaluation.plot_results(results, Path(args.plots) if args.plots else output.parent, output.stem)
+    print(evaluation.summary_table(results))
+    print(f"results: {output}" + "".join(f"\nplot: {path}" for path in plots))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pnmix", description="PN-Mix KV-cache quantization for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -118,7 +155,37 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", default="float32", choices=sorted(DTYPES), help="float32 by default: CPUs run bfloat16 slowly"
     )
     demo_parser.add_argument("--prompt", default=DEMO_QUESTION)
+    eval_parser = commands.add_parser("eval", help="fidelity to full precision: attention KL, long outputs, sweep, plots")
+    eval_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file or a local folder")
+    eval_parser.add_argument("--metrics", nargs="+", default=["attention_kl", "long_output"], choices=["attention_kl", "long_output"])
+    eval_parser.add_argument(
+        "--methods", nargs="+", default=None,
+        help="method sets (presets, criteria, ablations, sweep) or method names; default: all sets",
+    )  # fmt: skip
+    eval_parser.add_argument("--context", type=int, default=2048, help="attention KL: tokens prefilled (default 2048)")
+    eval_parser.add_argument("--queries", type=int, default=64, help="attention KL: decode queries after the context (default 64)")
+    eval_parser.add_argument("--long-tokens", type=int, default=1024, help="long outputs: generated tokens per prompt (default 1024)")
+    eval_parser.add_argument("--prompts", type=int, default=2, help="long outputs: how many of the built-in prompts (default 2)")
+    eval_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    eval_parser.add_argument("--output", default=None, help=f"JSON file (default {EVAL_OUTPUT}); an existing one is resumed")
+    eval_parser.add_argument("--plots", default=None, help="folder of the PNG plots (default: the JSON's folder)")
+    eval_parser.add_argument("--quick", action="store_true", help="CI-sized run: small context, few tokens, four methods")
+    plan_parser = commands.add_parser("plan", help="KV-cache bytes, peak memory, largest batch and longest generation")
+    planner.add_arguments(plan_parser)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        try:
+            return planner.run(args)
+        except ValueError as error:
+            parser.error(str(error))
+    if args.command == "eval":
+        for option in ("context", "queries", "long_tokens", "prompts"):
+            if getattr(args, option) < 1:
+                parser.error(f"--{option.replace('_', '-')}={getattr(args, option)} is invalid: allowed a positive integer")
+        try:
+            return evaluate(args)
+        except ValueError as error:
+            parser.error(str(error))
     if args.tokens < 1:
         parser.error(f"--tokens={args.tokens} is invalid: allowed a positive integer")
     return demo(args)

@@ -228,6 +228,7 @@ def format_plan(plan: dict) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The planner's command-line options (``pnmix plan`` and ``python -m pnmix_patch.planner``)."""
     parser.add_argument("--model", required=True, help=f"a shape ({', '.join(MODEL_SHAPES)}), 'smollm2', a .gguf file, a folder or a hub id")
     parser.add_argument("--preset", default="pnmix-1")
     parser.add_argument("--batch", type=int, default=1)
@@ -239,9 +240,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("batch", "prompt", "generate"):
-        if getattr(args, name) < (1 if name != "generate" else 0):
-            raise SystemExit(f"--{name} must be positive, got {getattr(args, name)}")
+    """Print the plan of parsed :func:`add_arguments` options (``ValueError`` on bad values)."""
+    for name, least in (("batch", 1), ("prompt", 1), ("generate", 0)):
+        if getattr(args, name) < least:
+            raise ValueError(f"--{name}={getattr(args, name)} is invalid: allowed an integer >= {least}")
     planner = CapacityPlanner(args.model, getattr(torch, args.dtype))
     plan = planner.plan(args.preset, args.batch, args.prompt, args.generate, None if args.budget is None else parse_bytes(args.budget))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
@@ -251,4 +253,7 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m pnmix_patch.planner", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    raise SystemExit(run(parser.parse_args()))
+    try:
+        raise SystemExit(run(parser.parse_args()))
+    except ValueError as error:
+        parser.error(str(error))

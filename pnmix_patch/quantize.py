@@ -168,7 +168,11 @@ def dequantize_keys(
     zero: torch.Tensor,
     channel_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """Float32 keys ``[B, H, groups*G, D]`` in the original channel order."""
+    """Float32 keys ``[B, H, groups*G, D]`` in the original channel order.
+
+    ``channel_mask`` is bool ``[B, H, D]`` (one selection per sequence) or
+    ``[B, H, groups, D]`` (a selection per group, as written by per-group re-selection).
+    """
     num_high = codes_high.shape[-1]
     parts = []
     for codes, part_scale, part_zero in (
@@ -181,7 +185,10 @@ def dequantize_keys(
     stored = torch.cat(parts, -1)
     batch, heads, groups, group_size, head_dim = stored.shape
     stored = stored.reshape(batch, heads, groups * group_size, head_dim)
-    order = channel_order(channel_mask).unsqueeze(2).expand(-1, -1, groups * group_size, -1)
+    if channel_mask.dim() == 4:
+        order = channel_order(channel_mask).repeat_interleave(group_size, dim=2)
+    else:
+        order = channel_order(channel_mask).unsqueeze(2).expand(-1, -1, groups * group_size, -1)
     return torch.empty_like(stored).scatter_(-1, order, stored)
 
 

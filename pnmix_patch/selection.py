@@ -15,6 +15,11 @@ Pair norms are rotation invariant, so post-RoPE vectors give the pre-RoPE scores
 The key-only criteria of the paper's comparison are here too. Channel criteria
 (``k_magnitude``: mean |k_c|, ``k_range``: max - min of k_c) score a pair as the
 sum of its two channels' scores, since storage selects whole pairs.
+
+Per-group re-selection (the paper's online ablation, and Kitty) scores every
+``G``-token key group on its own keys: :func:`group_channel_masks`. Its query
+statistic for ``qk_pair_norm`` is supplied by the caller (the cache keeps a
+running mean of the query pair norms of the tokens it has seen).
 """
 
 from __future__ import annotations
@@ -90,8 +95,52 @@ def pair_scores(
     return first + second
 
 
+def group_channel_masks(
+    keys: torch.Tensor,
+    criterion: str,
+    unit: str,
+    pairing: str,
+    num_high_channels: int,
+    query_pair_mean: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """High-precision channels of every key group, chosen from that group's own keys.
+
+    Args:
+        keys: ``[B, H, groups, G, D]``.
+        criterion: one of ``qk_pair_norm``, ``k_pair_norm``, ``k_magnitude``, ``k_range``.
+        unit: ``"pair"`` (both channels of the best pairs) or ``"channel"`` (best single channels;
+            channel criteria only).
+        pairing: the model's RoPE pairing.
+        num_high_channels: channels per head and group to select (even for ``unit="pair"``).
+        query_pair_mean: float32 ``[B, H, D/2]``, mean query pair norms (GQA-averaged), needed by
+            ``qk_pair_norm``.
+    Returns:
+        bool ``[B, H, groups, D]`` with ``num_high_channels`` True per group.
+    """
+    keys = keys.float()
+    if criterion in ("qk_pair_norm", "k_pair_norm"):
+        if unit != "pair":
+            raise ValueError(f"criterion={criterion!r} ranks pairs: allowed unit='pair', got {unit!r}")
+        scores = pair_norms(keys, pairing).mean(3)
+        if criterion == "qk_pair_norm":
+            if query_pair_mean is None:
+                raise ValueError("criterion='qk_pair_norm' needs query_pair_mean [B, H, D/2]")
+            scores = scores * query_pair_mean[:, :, None]
+    elif criterion in ("k_magnitude", "k_range"):
+        channel_scores = keys.abs().mean(3) if criterion == "k_magnitude" else keys.amax(3) - keys.amin(3)
+        if unit == "channel":
+            return select_top_pairs(channel_scores, num_high_channels)
+        first, second = split_pairs(channel_scores, pairing)
+        scores = first + second
+    else:
+        raise ValueError(f"criterion={criterion!r} is invalid: allowed qk_pair_norm, k_pair_norm, k_magnitude, k_range")
+    if unit not in ("pair", "channel"):
+        raise ValueError(f"unit={unit!r} is invalid: allowed 'pair', 'channel'")
+    return pairs_to_channels(select_top_pairs(scores, num_high_channels // 2), pairing)
+
+
 def select_top_pairs(scores: torch.Tensor, num_selected: int) -> torch.Tensor:
-    """Bool mask ``[..., P]`` with the ``num_selected`` highest-scoring pairs True.
+    """Bool mask ``[..., P]`` with the ``num_selected`` highest-scoring pairs (or channels) True.
 
     Non-finite scores (from non-finite keys) rank lowest, so the choice stays defined.
     """

@@ -50,6 +50,11 @@ class PNMixStaticLayer(PNMixLayer):
     def __init__(self, config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise ValueError(f"a static PN-Mix cache needs max_cache_len, a positive int; got {max_cache_len!r}")
+        if config.reselection != "prefill":
+            raise ValueError(
+                f"a static PN-Mix cache selects once per sequence (reselection='prefill'); got "
+                f"reselection={config.reselection!r}: use the dynamic PNMixCache for per-group re-selection"
+            )
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         super().__init__(config, pairing, max_cache_len)
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill

@@ -4,7 +4,16 @@ import math
 
 import pytest
 
-from pnmix_patch.config import PRESETS, SELECTION_CRITERIA, SUPPORTED_BITS, PNMixConfig, resolve_config
+from pnmix_patch.config import (
+    CHANNEL_CRITERIA,
+    PRESETS,
+    RESELECTION_MODES,
+    SELECTION_CRITERIA,
+    SELECTION_UNITS,
+    SUPPORTED_BITS,
+    PNMixConfig,
+    resolve_config,
+)
 
 # ---------------------------------------------------------------- presets (spec section 3)
 
@@ -19,6 +28,10 @@ SPEC_PRESETS = {
     "kivi-2": dict(pair_ratio=1.0, key_group_size=128, key_bits_high=2, key_bits_low=2, value_bits=2,
                    sink_tokens=32, residual_tokens=128, quantize=True),
     "fp16": dict(quantize=False),
+    # Kitty: 2-bit keys, top 25% of channels by magnitude at 4 bits, re-chosen per 128-token group.
+    "kitty": dict(pair_ratio=0.25, key_group_size=128, key_bits_high=4, key_bits_low=2, value_bits=2,
+                  sink_tokens=32, residual_tokens=128, selection="k_magnitude", selection_unit="channel",
+                  reselection="per_group", quantize=True),
 }  # fmt: skip
 
 
@@ -92,6 +105,13 @@ INVALID = [
     ("selection", None, {}, list(SELECTION_CRITERIA)),
     ("quantize", 0, {}, ["True or False"]),
     ("quantize", "no", {}, ["True or False"]),
+    ("reselection", "online", {}, list(RESELECTION_MODES)),
+    ("reselection", None, {}, list(RESELECTION_MODES)),
+    ("selection_unit", "head", {}, list(SELECTION_UNITS)),
+    # channel ranking: only channel criteria, only per group
+    ("selection", "qk_pair_norm", {"selection_unit": "channel", "reselection": "per_group"}, list(CHANNEL_CRITERIA)),
+    ("selection", "k_pair_norm", {"selection_unit": "channel", "reselection": "per_group"}, list(CHANNEL_CRITERIA)),
+    ("reselection", "prefill", {"selection_unit": "channel", "selection": "k_magnitude"}, ["'per_group'"]),
 ]
 
 
@@ -136,6 +156,9 @@ def test_replace_validates_again():
         dict(sink_tokens=0),
         dict(key_bits_high=8, key_bits_low=4, value_bits=1),
         dict(selection="k_range", midpoint_correction=False),
+        dict(reselection="per_group"),
+        dict(reselection="per_group", selection="k_pair_norm"),
+        dict(selection_unit="channel", reselection="per_group", selection="k_range"),
     ],
 )
 def test_valid_edge_values_accepted(changes):
@@ -182,3 +205,23 @@ def test_nominal_key_bits_pnmix2_and_kivi2():
     # 52 of 128 channels at 3 bits: (156 + 76) / 128 + 0.5
     assert PRESETS["pnmix-2"].nominal_key_bits(128) == pytest.approx(232 / 128 + 0.5, abs=1e-12)
     assert PRESETS["kivi-2"].nominal_key_bits(128) == pytest.approx(2.25, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    "changes, head_dim, expected",
+    [
+        (dict(pair_ratio=0.25), 64, 16),  # 8 pairs, both channels
+        (dict(pair_ratio=0.25, selection_unit="channel", reselection="per_group", selection="k_magnitude"), 64, 16),
+        (dict(pair_ratio=1 / 3, selection_unit="channel", reselection="per_group", selection="k_magnitude"), 64, 21),
+        (dict(pair_ratio=0.375, selection_unit="channel", reselection="per_group", selection="k_range"), 64, 24),
+        (dict(pair_ratio=0.4), 64, 26),
+    ],
+)
+def test_num_high_channels_pairs_or_single_channels(changes, head_dim, expected):
+    assert PNMixConfig(**changes).num_high_channels(head_dim) == expected
+
+
+def test_nominal_key_bits_kitty():
+    # 16 of 64 channels at 4 bits, 48 at 2 bits, fp16 scale+zero per 128 tokens: 2.5 + 0.25
+    assert PRESETS["kitty"].nominal_key_bits(64) == pytest.approx(2.75, abs=1e-12)
+    assert PRESETS["kitty"].nominal_key_bits(128) == pytest.approx(2.75, abs=1e-12)

@@ -56,3 +56,13 @@ def test_sizes_and_models_are_checked():
         parse_bytes("40 apples")
     assert set(MODEL_SHAPES) == {"qwen3-8b", "llama-3.1-8b"}
     assert CapacityPlanner("llama-3.1-8b").weight_bytes == 2 * 8_030_261_248  # Llama-3.1-8B's parameter count
+
+
+def test_command_line(capsys):
+    from pnmix_patch.cli import main
+
+    assert main(["plan", "--model", "qwen3-8b", "--batch", "32", "--generate", "8192", "--budget", "40GiB"]) == 0
+    assert "largest batch" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "qwen3-8b", "--batch", "0"])
+    assert "--batch=0 is invalid: allowed an integer >= 1" in capsys.readouterr().err

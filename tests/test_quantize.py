@@ -267,6 +267,23 @@ def test_quantize_keys_matches_reference(num_high, bits_high, bits_low, midpoint
         assert torch.equal(unpack_bits(packed.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2), part)
 
 
+def test_dequantize_keys_with_a_mask_per_group():
+    # per-group re-selection: every group packed with its own channel order reads back in place
+    gen = torch.Generator().manual_seed(11)
+    batch, heads, group, head_dim, groups, num_high = 2, 2, 64, 32, 3, 8
+    keys = make_keys(batch, heads, groups * group, head_dim, gen)
+    masks = torch.stack([random_channel_mask(batch, heads, head_dim, num_high, gen) for _ in range(groups)], dim=2)
+    parts = [
+        quantize_keys(keys[:, :, g * group : (g + 1) * group], masks[:, :, g], num_high, group, 4, 2, True)
+        for g in range(groups)
+    ]
+    packed = [torch.cat(tensors, dim=2) for tensors in zip(*parts)]
+    out = dequantize_keys(*packed, masks)
+    for g in range(groups):
+        expected, *_ = reference_keys(keys[:, :, g * group : (g + 1) * group], masks[:, :, g], group, 4, 2, True)
+        torch.testing.assert_close(out[:, :, g * group : (g + 1) * group], expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("midpoint", [True, False])
 def test_quantize_keys_error_and_range(midpoint):
     gen = torch.Generator().manual_seed(3)

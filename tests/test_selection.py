@@ -7,6 +7,7 @@ import torch
 
 from pnmix_patch.config import PRESETS
 from pnmix_patch.selection import (
+    group_channel_masks,
     pack_mask,
     pair_norms,
     pair_scores,
@@ -298,3 +299,62 @@ def test_pack_mask_layout():
     mask[[0, 31, 32]] = True
     assert pack_mask(mask).tolist() == [1 - 2**31, 1]
     assert pack_mask(torch.ones(32, dtype=torch.bool)).tolist() == [-1]
+
+
+# ---------------------------------------------------------------- per-group re-selection
+
+
+def test_group_channel_masks_kitty_ranks_single_channels_per_group_by_magnitude():
+    keys = small_background(1, 2, 256, seed=3).view(1, 2, 2, 128, D)
+    keys[0, 0, 0, :, 3] = 5.0  # group 0: channel 3, then 10
+    keys[0, 0, 0, :, 10] = -4.0
+    keys[0, 0, 1, :, 7] = 6.0  # group 1: channels 7 and 0
+    keys[0, 0, 1, :, 0] = 2.0
+    masks = group_channel_masks(keys, "k_magnitude", "channel", "half", 2)
+    assert masks.shape == (1, 2, 2, D) and masks.dtype == torch.bool
+    assert selected_indices(masks[0, 0, 0]) == [3, 10]
+    assert selected_indices(masks[0, 0, 1]) == [0, 7]
+    assert masks.sum(-1).eq(2).all()  # exactly the requested count everywhere, not whole pairs
+
+
+def test_group_channel_masks_k_range_channel():
+    keys = small_background(1, 1, 128, seed=4).view(1, 1, 1, 128, D)
+    keys[0, 0, 0, ::2, 5] = 3.0  # range 3 on channel 5, magnitude only ~1.5
+    keys[0, 0, 0, :, 6] = 2.0  # constant: magnitude 2, range ~0
+    assert selected_indices(group_channel_masks(keys, "k_range", "channel", "half", 1)[0, 0, 0]) == [5]
+    assert selected_indices(group_channel_masks(keys, "k_magnitude", "channel", "half", 1)[0, 0, 0]) == [6]
+
+
+@pytest.mark.parametrize("pairing, partner", [("half", 3 + P), ("interleaved", 2)])
+def test_group_channel_masks_pair_unit_selects_both_channels(pairing, partner):
+    keys = small_background(1, 1, 128, seed=5).view(1, 1, 1, 128, D)
+    keys[..., 3] = 4.0
+    for criterion in ("k_pair_norm", "k_magnitude", "k_range"):
+        if criterion == "k_range":
+            keys[..., ::2, 3] = -4.0
+        mask = group_channel_masks(keys, criterion, "pair", pairing, 2)
+        assert selected_indices(mask[0, 0, 0]) == sorted([3, partner]), criterion
+
+
+def test_group_channel_masks_qk_uses_the_query_statistic():
+    keys = small_background(1, 1, 128, seed=6).view(1, 1, 1, 128, D)
+    keys[..., 1] = 2.0  # key pair 1 is larger than pair 4 ...
+    keys[..., 4] = 1.0
+    query_mean = torch.full((1, 1, P), 0.01)
+    query_mean[..., 4] = 10.0  # ... but the query weighs pair 4
+    qk = group_channel_masks(keys, "qk_pair_norm", "pair", "half", 2, query_mean)
+    k_only = group_channel_masks(keys, "k_pair_norm", "pair", "half", 2)
+    assert selected_indices(qk[0, 0, 0]) == [4, 4 + P]
+    assert selected_indices(k_only[0, 0, 0]) == [1, 1 + P]
+
+
+def test_group_channel_masks_invalid_arguments():
+    keys = torch.zeros(1, 1, 1, 32, D)
+    with pytest.raises(ValueError, match="query_pair_mean"):
+        group_channel_masks(keys, "qk_pair_norm", "pair", "half", 2)
+    with pytest.raises(ValueError, match="allowed unit='pair'"):
+        group_channel_masks(keys, "k_pair_norm", "channel", "half", 2)
+    with pytest.raises(ValueError, match="allowed 'pair', 'channel'"):
+        group_channel_masks(keys, "k_range", "block", "half", 2)
+    with pytest.raises(ValueError, match="criterion='random'"):
+        group_channel_masks(keys, "random", "pair", "half", 2)

@@ -153,3 +153,8 @@ def test_memory_report_counts_the_preallocated_storage():
     assert static_report["total_bytes"] > dynamic_report["total_bytes"]
     # the same codes and scales per element; masks add the stored channel order (int64 per channel)
     assert 0 < static_report["key_bits_per_element"] - dynamic_report["key_bits_per_element"] < 0.1
+
+
+def test_per_group_reselection_is_refused():
+    with pytest.raises(ValueError, match="reselection='per_group'"):
+        PNMixStaticLayer(SMALL.replace(reselection="per_group"), max_cache_len=100)
