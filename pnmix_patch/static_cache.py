@@ -169,8 +169,11 @@ class PNMixStaticLayer(PNMixLayer):
     def memory_bytes(self) -> dict[str, int]:
         parts = super().memory_bytes()
         if self.is_initialized:
-            parts["masks"] += self.order.numel() * self.order.element_size()
-            parts["lengths"] += self.overflowed.numel() + self.cumulative_length.element_size()
+            def size(tensor):
+                return tensor.numel() * tensor.element_size()
+
+            parts["masks"] += size(self.order)
+            parts["lengths"] += size(self.overflowed) + size(self.cumulative_length)
         return parts
 
 
