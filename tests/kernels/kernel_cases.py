@@ -19,6 +19,10 @@ LAYOUTS = {
     "kivi-2": (1.0, 128, 2, 2),
     "r0": (0.0, 64, 3, 1),
 }
+WIDE_LAYOUTS = {
+    "4-2": (0.25, 128, 4, 2),  # Kitty's widths
+    "8-4": (0.5, 32, 8, 4),  # the widest codes, shortest group
+}
 
 
 def seeded(seed: int = 1234) -> torch.Generator:
@@ -28,7 +32,7 @@ def seeded(seed: int = 1234) -> torch.Generator:
 
 def num_high(layout: str, head_dim: int) -> int:
     """Channels of selected pairs: ``2 * round(r * D / 2)`` as in ``PNMixConfig``."""
-    return 2 * round(LAYOUTS[layout][0] * head_dim / 2)
+    return 2 * round({**LAYOUTS, **WIDE_LAYOUTS}[layout][0] * head_dim / 2)
 
 
 def random_order(batch: int, heads: int, head_dim: int, high: int, generator: torch.Generator) -> torch.Tensor:
@@ -55,13 +59,14 @@ def decode_inputs(
     group_cap: int = 3,
     residual_cap: int = 128,
     garbage: float = float("nan"),
+    value_group: int | None = None,
 ) -> tuple:
     """Random arguments of ``decode_attention`` for a cache with the given per-sequence lengths.
 
     Slots past each sequence's lengths hold ``garbage`` (NaN by default): a kernel that
     reads them would return NaN.
     """
-    _, group, bits_high, bits_low = LAYOUTS[layout]
+    _, group, bits_high, bits_low = {**LAYOUTS, **WIDE_LAYOUTS}[layout]
     batch, high = len(sink_len), num_high(layout, head_dim)
 
     def randn(*shape):
@@ -71,7 +76,7 @@ def decode_inputs(
     keys = randn(batch, heads, group_cap * group, head_dim) * (1 + 3 * torch.rand(head_dim, generator=generator))
     values = randn(batch, heads, group_cap * group, head_dim)
     packed_keys = quantize_keys(keys.to(dtype), mask_of(order, high), high, group, bits_high, bits_low, True)
-    packed_values = quantize_values(values.to(dtype), 2, head_dim, True)
+    packed_values = quantize_values(values.to(dtype), 2, value_group or head_dim, True)
     lengths = [torch.tensor(x, dtype=torch.int32) for x in (sink_len, num_groups, residual_len)]
     for tensor in packed_keys[2:]:  # key scale/zero of unused groups
         for b, n in enumerate(num_groups):
