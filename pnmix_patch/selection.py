@@ -40,9 +40,17 @@ def split_pairs(x: torch.Tensor, pairing: str) -> tuple[torch.Tensor, torch.Tens
 
 
 def pair_norms(x: torch.Tensor, pairing: str) -> torch.Tensor:
-    """Euclidean norm of every RoPE pair: ``[..., D]`` -> float32 ``[..., D/2]``."""
-    first, second = split_pairs(x.float(), pairing)
-    return torch.sqrt(first * first + second * second)
+    """Euclidean norm of every RoPE pair: ``[..., D]`` -> float32 ``[..., D/2]``.
+
+    One reduction over a view of ``x`` (no float32 copy of ``x``: at a 16K prompt the
+    query of one layer is 128 MB in bf16, and this runs on every layer at prefill).
+    """
+    half = x.shape[-1] // 2
+    if pairing == "half":
+        return torch.linalg.vector_norm(x.unflatten(-1, (2, half)), dim=-2, dtype=torch.float32)
+    if pairing == "interleaved":
+        return torch.linalg.vector_norm(x.unflatten(-1, (half, 2)), dim=-1, dtype=torch.float32)
+    raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
 
 
 def pairs_to_channels(pair_mask: torch.Tensor, pairing: str) -> torch.Tensor:
