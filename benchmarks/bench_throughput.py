@@ -189,7 +189,7 @@ def time_to_first_token(model, device, prompt_tokens=16384, repeats=3) -> dict:
     result["pnmix_ms"] = timed(lambda: new_cache(model))
     selecting = PNMixLayer._select_pairs
 
-    def fixed_pairs(layer, query, key, valid, incoming):  # the first pairs, no scoring
+    def fixed_pairs(layer, query, key, valid, incoming, all_real=False):  # the first pairs, no scoring
         layer.selected = layer.selected | incoming.gt(0)
 
     PNMixLayer._select_pairs = fixed_pairs

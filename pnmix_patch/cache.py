@@ -106,6 +106,7 @@ class PNMixLayer(CacheLayerMixin):
         self.value_zero = torch.zeros_like(self.value_scale)
         self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
         self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        self.all_selected = False  # host copy of selected.all(): once True, no scoring and no sync
         # Per-group re-selection only (config.reselection="per_group"): a selection mask per
         # stored group, and the running sum of GQA-averaged query pair norms for qk_pair_norm.
         units = head_dim if cfg.selection_unit == "channel" else head_dim // 2
@@ -214,7 +215,7 @@ class PNMixLayer(CacheLayerMixin):
         if valid is None:
             valid = torch.ones(key.shape[0], chunk, dtype=torch.bool, device=key.device)
         incoming = valid.sum(1).to(torch.int32)
-        self._select_pairs(query, key, valid, incoming)
+        self._select_pairs(query, key, valid, incoming, all_real)
         # A full residual buffer is flushed before a token is added to it.
         self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
         if chunk == 1 and self.config.quantize and self.config.reselection == "prefill":
@@ -244,19 +245,22 @@ class PNMixLayer(CacheLayerMixin):
     def residual_capacity(self) -> int:
         return self.residual_keys.shape[2] if self.config.quantize else -1
 
-    def _select_pairs(self, query, key, valid, incoming) -> None:
+    def _select_pairs(self, query, key, valid, incoming, all_real: bool = False) -> None:
         if not self.config.quantize:
             return
         if self.config.reselection == "per_group":
             self._track_query_norms(query, valid)  # groups select when they are flushed
             return
-        pending = incoming.gt(0) & ~self.selected
-        if not bool(pending.any()):
+        if self.all_selected:
             return
-        scores = pair_scores(query, key, valid, self.config.selection, self.pairing)
+        # Scored for the whole batch, kept for the sequences selecting now; the launches are
+        # queued before the one host sync (selected.all()), so they overlap the GPU's work.
+        pending = incoming.gt(0) & ~self.selected
+        scores = pair_scores(query, key, None if all_real else valid, self.config.selection, self.pairing)
         new_bits = pack_mask(select_top_pairs(scores, self.num_high // 2))
         self.pair_mask_bits = torch.where(pending[:, None, None], new_bits, self.pair_mask_bits)
         self.selected = self.selected | pending
+        self.all_selected = bool(self.selected.all())
 
     def _append(self, key, value, valid, incoming) -> None:
         batch, heads, chunk, head_dim = key.shape

@@ -62,8 +62,10 @@ def pairs_to_channels(pair_mask: torch.Tensor, pairing: str) -> torch.Tensor:
     raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
 
 
-def _token_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x [B, heads, T, P]`` over the valid tokens ``valid [B, T]``."""
+def _token_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Mean of ``x [B, heads, T, P]`` over the valid tokens ``valid [B, T]`` (None: all)."""
+    if valid is None:
+        return x.mean(2)
     mask = valid[:, None, :, None]
     count = mask.sum(2).clamp_min(1)
     # where, not a 0/1 weight: padding may hold inf or NaN, and 0 * inf is NaN.
@@ -71,14 +73,14 @@ def _token_mean(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def pair_scores(
-    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor, criterion: str, pairing: str
+    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, criterion: str, pairing: str
 ) -> torch.Tensor:
     """Sensitivity score of every pair, float32 ``[B, H, D/2]``.
 
     Args:
         query: ``[B, Hq, T, D]`` (Hq a multiple of H).
         key: ``[B, H, T, D]``.
-        valid: bool ``[B, T]``, False for padding.
+        valid: bool ``[B, T]``, False for padding, or None when every token is real.
         criterion: ``qk_pair_norm`` | ``k_pair_norm`` | ``k_magnitude`` | ``k_range``.
     """
     batch, kv_heads = key.shape[:2]
@@ -92,6 +94,8 @@ def pair_scores(
     if criterion == "k_magnitude":
         channel_score = _token_mean(key.float().abs(), valid)
     elif criterion == "k_range":
+        if valid is None:
+            valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
         mask = valid[:, None, :, None]
         keys = key.float()
         high = torch.where(mask, keys, -torch.inf).amax(2)

@@ -103,6 +103,7 @@ class PNMixStaticLayer(PNMixLayer):
                 tensor.zero_()
         self.cumulative_length.zero_()
         self.prefilled = False
+        self.all_selected = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:

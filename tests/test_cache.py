@@ -113,8 +113,30 @@ def test_selection_is_per_sequence_and_fixed_after_prefill():
     assert selected.shape == (batch, heads, head_dim // 2)
     assert torch.all(selected[0, :, 0]) and not torch.equal(selected[0], selected[1])
     assert torch.all(selected.sum(-1) == SMALL.num_selected_pairs(head_dim))
+    assert layer.all_selected
     feed(layer, shape, [1] * 100, seed=5)
     assert torch.equal(layer.selected_pairs, selected)
+
+
+def test_pairs_are_scored_until_every_sequence_has_selected(monkeypatch):
+    """A sequence with no real token yet selects from its first real chunk; after that no step scores."""
+    import pnmix_patch.cache as cache_module
+
+    layer, (batch, heads, head_dim) = make_layer()
+    calls = []
+    scoring = cache_module.pair_scores
+    monkeypatch.setattr(cache_module, "pair_scores", lambda *args: calls.append(1) or scoring(*args))
+    query, key, value = chunk(batch, heads, 6, head_dim, seed=6)
+    valid = torch.tensor([[True] * 3, [False] * 3])  # sequence 1 is all padding so far
+    layer.attend(query[:, :, :3], key[:, :, :3], value[:, :, :3], valid, 0.2)
+    assert layer.selected.tolist() == [True, False] and not layer.all_selected
+    first = layer.selected_pairs[0].clone()
+    layer.attend(query[:, :, 3:4], key[:, :, 3:4], value[:, :, 3:4], None, 0.2)
+    assert layer.all_selected and len(calls) == 2
+    assert torch.equal(layer.selected_pairs[0], first)  # kept, not re-scored from the new token
+    for step in range(4, 6):
+        layer.attend(query[:, :, step : step + 1], key[:, :, step : step + 1], value[:, :, step : step + 1], None, 0.2)
+    assert len(calls) == 2
 
 
 def test_constant_channels_read_back_exactly():

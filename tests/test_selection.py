@@ -157,6 +157,15 @@ def test_mean_over_tokens_not_sum_or_max():
 
 
 @pytest.mark.parametrize("criterion", ["qk_pair_norm", "k_pair_norm", "k_magnitude", "k_range"])
+def test_no_validity_mask_means_every_token(criterion):
+    key = small_background(2, 1, 8)
+    query = small_background(2, 1, 8, seed=1)
+    torch.testing.assert_close(
+        pair_scores(query, key, None, criterion, "half"), pair_scores(query, key, ones_valid(2, 8), criterion, "half")
+    )
+
+
+@pytest.mark.parametrize("criterion", ["qk_pair_norm", "k_pair_norm", "k_magnitude", "k_range"])
 def test_padding_excluded(criterion):
     # sequence 0: left padding in positions 0..2 holding huge values on pair 5;
     # real tokens put pair 1 first. Sequence 1 has no padding and the same real tokens.
