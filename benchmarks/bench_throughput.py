@@ -232,6 +232,7 @@ def main() -> None:
     parser.add_argument("--parts", default="capacity,throughput,ttft")
     parser.add_argument("--methods", default="bf16,pnmix-1")
     parser.add_argument("--batches", default="32,128,largest", help="throughput batches ('largest': the planned largest)")
+    parser.add_argument("--ttft-repeats", type=int, default=3, help="timed prefills per cache (median; after a warm-up)")
     args = parser.parse_args()
     if args.plot:
         path = Path(args.plot)
@@ -260,13 +261,13 @@ def main() -> None:
         report["throughput"] = throughput(model, planner, device, methods, batches_of)
     if "ttft" in parts:
         print("time to first token", flush=True)
-        report["ttft"] = time_to_first_token(model, device)
+        report["ttft"] = time_to_first_token(model, device, repeats=args.ttft_repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report.update({
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
         "command": "python benchmarks/bench_throughput.py" + "".join(
-            f" --{name} {getattr(args, name)}" for name in ("parts", "methods", "batches")
+            f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("parts", "methods", "batches", "ttft_repeats")
             if getattr(args, name) != parser.get_default(name)
         ),
     })  # fmt: skip
