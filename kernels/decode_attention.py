@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -210,11 +211,12 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, num_q_heads, num_splits,
+    m_ptr, l_ptr, acc_ptr, out_ptr, overflow_ptr, num_q_heads, num_splits,
     s_ob, s_oh, s_od,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum."""
+    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; NaN for a
+    sequence flagged in ``overflow_ptr`` (when ``HAS_OVERFLOW``)."""
     row = tl.program_id(0)
     b = row // num_q_heads
     hq = row % num_q_heads
@@ -234,6 +236,8 @@ def _decode_combine_kernel(
     denominator = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0)
     out = tl.where(denominator > 0, out / denominator, 0.0)  # no valid token -> zeros
+    if HAS_OVERFLOW:
+        out = tl.where(tl.load(overflow_ptr + b) != 0, float("nan"), out)
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -264,7 +268,7 @@ def triton_decode_attention(
     key_codes_high, key_codes_low, key_scale, key_zero,
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
-    scaling: float, num_splits: int | None = None,
+    scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
 ) -> torch.Tensor:
     """Launch the split and combine kernels; arguments as :func:`decode_attention`.
 
@@ -311,8 +315,9 @@ def triton_decode_attention(
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )
     _decode_combine_kernel[(batch * q_heads,)](
-        m, l, acc, out, q_heads, num_splits, *out.stride(),
+        m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
         D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_OVERFLOW=overflowed is not None,
     )
     return out
 
@@ -322,7 +327,7 @@ def decode_attention_reference(
     key_codes_high, key_codes_low, key_scale, key_zero,
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
-    scaling: float,
+    scaling: float, overflowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: dequantize every segment, masked softmax in float32."""
     group_size = 32 * key_codes_high.shape[4]
@@ -352,7 +357,10 @@ def decode_attention_reference(
         1,
     )[:, None, None, :]  # [B, 1, 1, T]
     # Unused slots never leak NaN; a non-finite cached key still gives NaN, as in FP16 attention.
-    return masked_attention(query.unsqueeze(2), keys, values, allowed, scaling).squeeze(2).to(query.dtype)
+    output = masked_attention(query.unsqueeze(2), keys, values, allowed, scaling).squeeze(2).to(query.dtype)
+    if overflowed is not None:
+        output = torch.where(overflowed.to(query.device)[:, None, None], float("nan"), output)
+    return output
 
 
 @torch.library.custom_op("pnmix::decode_attention", mutates_args=())
@@ -374,18 +382,21 @@ def decode_attention(
     residual_values: torch.Tensor,
     residual_len: torch.Tensor,
     scaling: float,
+    overflowed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Decode attention of ``query [B, Hq, D]`` over a PN-Mix cache; returns ``[B, Hq, D]``.
 
     ``order`` int64 ``[B, H, D]`` is the stored channel order of the packed keys
     (``channel_order(channel_mask)``); the other tensors are as in the module docstring.
+    ``overflowed`` (bool ``[B]``, optional) marks sequences that outgrew a static cache:
+    their rows are NaN (written by the merge kernel, no extra launch).
     This default implementation is :func:`decode_attention_reference`; CUDA runs Triton.
     """
     return decode_attention_reference(
         query, order, sink_keys, sink_values, sink_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
         value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len, scaling,
+        residual_keys, residual_values, residual_len, scaling, overflowed,
     )
 
 
@@ -394,13 +405,13 @@ def _decode_attention_cuda(
     query, order, sink_keys, sink_values, sink_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
     value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len, scaling,
+    residual_keys, residual_values, residual_len, scaling, overflowed=None,
 ):
     return triton_decode_attention(
         query, order, sink_keys, sink_values, sink_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
         value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len, scaling,
+        residual_keys, residual_values, residual_len, scaling, overflowed,
     )
 
 
@@ -409,6 +420,6 @@ def _decode_attention_fake(
     query, order, sink_keys, sink_values, sink_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
     value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len, scaling,
+    residual_keys, residual_values, residual_len, scaling, overflowed=None,
 ):
     return torch.empty_like(query)

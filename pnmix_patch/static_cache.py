@@ -162,9 +162,8 @@ class PNMixStaticLayer(PNMixLayer):
             self.sink_keys, self.sink_values, self.sink_len,
             self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
             self.value_codes, self.value_scale, self.value_zero, self.num_groups,
-            self.residual_keys, self.residual_values, self.residual_len, scaling,
+            self.residual_keys, self.residual_values, self.residual_len, scaling, self.overflowed,
         )  # fmt: skip
-        output = torch.where(self.overflowed[:, None, None], float("nan"), output)
         return output.unsqueeze(2)
 
     def memory_bytes(self) -> dict[str, int]:

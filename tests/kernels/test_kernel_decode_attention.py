@@ -94,6 +94,20 @@ def test_decode_empty_segments():
     assert torch.all(check(args, torch.float32) == 0)
 
 
+def test_overflowed_sequences_read_nan():
+    """The static cache's overflow flag turns that sequence's rows into NaN, in the merge kernel."""
+    generator = seeded()
+    args = decode_inputs(
+        generator, "pnmix-1", 64, 4, torch.float16, sink_len=[4, 32, 1], num_groups=[2, 1, 0], residual_len=[9, 64, 3]
+    )
+    overflowed = torch.tensor([False, True, False])
+    got = triton_decode_attention(*args, overflowed, num_splits=2)
+    want = decode_attention_reference(*args, overflowed)
+    assert got[1].isnan().all() and want[1].isnan().all()
+    torch.testing.assert_close(got[[0, 2]].float(), want[[0, 2]].float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got[[0, 2]], triton_decode_attention(*args, num_splits=2)[[0, 2]], atol=0, rtol=0)
+
+
 def test_decode_strided_views():
     """Views sliced along the token/group dims are read in place; a transposed tensor is copied."""
     generator = seeded()

@@ -40,3 +40,6 @@ def test_decode_attention_op(dtype):
     )
     torch.library.opcheck(torch.ops.pnmix.decode_attention.default, args)
     assert torch.equal(decode_attention(*args), decode_attention_reference(*args))
+    torch.library.opcheck(torch.ops.pnmix.decode_attention.default, (*args, torch.tensor([False, False])))  # (NaN != NaN)
+    flagged = decode_attention(*args, torch.tensor([True, False]))
+    assert flagged[0].isnan().all() and torch.equal(flagged[1], decode_attention(*args)[1])
