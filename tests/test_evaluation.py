@@ -2,26 +2,38 @@
 
 import json
 import math
+import types
 
 import pytest
 import torch
 
 from conftest import tiny_model
-from pnmix_patch import PRESETS, is_patched
+from pnmix_patch import PRESETS, is_patched, new_cache, patch_model, unpatch_model
 from pnmix_patch.cli import main
+from pnmix_patch.cache import _STATE, PNMixLayer
 from pnmix_patch.evaluation import (
     METHOD_SETS,
     METHODS,
     SWEEP_METHODS,
     SWEEP_RATES,
+    _save_owned,
     attention_kl,
+    cache_from_states,
     capture_attention_inputs,
+    capture_prefill,
     distinct_ngram_fraction,
     long_output_fidelity,
+    paired_flips,
+    passkey_correct,
+    passkey_retrieval,
+    make_passkey_trials,
     plot_results,
+    prefill_layer_from_states,
     resolve_methods,
+    run_evaluation,
     summary_table,
     sweep_config,
+    wilson_interval,
 )
 
 
@@ -134,9 +146,171 @@ def test_summary_table_lists_every_method():
     assert "| sweep-pnmix-1.5 | 1.5100 |" in table
 
 
+# ----------------------------------------------------------------------------- statistics
+def test_wilson_interval_known_values():
+    assert wilson_interval(0, 50) == pytest.approx((0.0, 0.07135), abs=1e-4)
+    assert wilson_interval(50, 50) == pytest.approx((0.92865, 1.0), abs=1e-4)
+    assert wilson_interval(25, 50) == pytest.approx((0.36637, 0.63363), abs=1e-4)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError, match="successes=3 is invalid"):
+        wilson_interval(3, 2)
+
+
+def test_paired_flips_counts_each_way_and_exact_mcnemar():
+    flips = paired_flips([True, True, False, False, True], [True, False, True, False, False])
+    assert (flips["both_correct"], flips["lost"], flips["gained"], flips["both_wrong"]) == (1, 2, 1, 1)
+    assert flips["difference"] == pytest.approx(-0.2) and flips["mcnemar_p"] == 1.0
+    six_lost = paired_flips([True] * 6 + [False] * 4, [False] * 10)
+    assert six_lost["lost"] == 6 and six_lost["mcnemar_p"] == pytest.approx(2 / 64)
+    assert paired_flips([True], [True])["mcnemar_p"] == 1.0
+    with pytest.raises(ValueError, match="differ in length"):
+        paired_flips([True], [True, False])
+
+
+def test_save_writes_only_owned_entries_and_keeps_what_another_process_wrote(tmp_path):
+    output = tmp_path / "eval.json"
+    # another process has written 4096 (10 trials now) since this one last read the file (5 trials then)
+    output.write_text(json.dumps({"settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 10}}}}))
+    ours = {"settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 5}, "1024": {"n": 3}}}, "attention_kl": {"x": 1}}
+    merged = _save_owned(output, ours, {("settings",), ("passkey", "lengths", "1024"), ("long_output", "y")})
+    assert merged == json.loads(output.read_text()) == {
+        "settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 10}, "1024": {"n": 3}}},
+    }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- passkey
+class CharTokenizer:
+    """Printable ASCII one token per character (ids 0..94, newline 95): fits the tiny models' vocab."""
+
+    def __call__(self, text, add_special_tokens=True, return_tensors=None):
+        ids = [95 if c == "\n" else min(max(ord(c) - 32, 0), 94) for c in text]
+        return types.SimpleNamespace(input_ids=torch.tensor([ids]) if return_tensors == "pt" else ids)
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join("\n" if int(i) == 95 else chr(int(i) + 32) for i in ids)
+
+
+def test_passkey_trials_hide_the_key_at_the_drawn_depth():
+    tokenizer = CharTokenizer()
+    built = make_passkey_trials(tokenizer, 600, 6, seed=3)
+    filler = built["filler_ids"]
+    for trial in built["trials"]:
+        ids, position = trial["ids"], trial["needle_position"]
+        assert 600 - 25 < len(ids) <= 600  # whole filler sentences up to the length
+        assert ids[:position] == filler[:position]  # the prefix shared with the filler-only prompt
+        assert tokenizer.decode(ids[position:]).startswith(f" The pass key is {trial['key']}. Remember it.")
+        assert tokenizer.decode(ids).endswith("What is the pass key? The pass key is")
+        depth_of_needle = (position - 150) / (len(filler) - 150)  # the intro is ~150 characters
+        assert abs(depth_of_needle - trial["depth"]) < 0.1 and 10000 <= trial["key"] <= 99999
+    assert len({t["key"] for t in built["trials"]}) == 6
+    # a trial does not depend on how many trials are drawn; the seed changes them
+    assert make_passkey_trials(tokenizer, 600, 2, seed=3)["trials"] == built["trials"][:2]
+    assert make_passkey_trials(tokenizer, 600, 2, seed=4)["trials"] != built["trials"][:2]
+    with pytest.raises(ValueError, match="length=100 is invalid"):
+        make_passkey_trials(tokenizer, 100, 1)
+
+
+def test_passkey_correct_needs_the_whole_number():
+    assert passkey_correct(" 73156. Remember", 73156) and passkey_correct("is73156", 73156)
+    assert not passkey_correct(" 7315. The pass", 73156) and not passkey_correct(" 731567", 73156)
+
+
+def test_capture_prefill_with_a_shared_prefix_matches_one_pass():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (2, 300), generator=torch.Generator().manual_seed(0))
+    ids[1, :120] = ids[0, :120]
+    whole = capture_prefill(model, ids)
+    prefix = capture_prefill(model, ids[:1, :120])
+    chunked = capture_prefill(model, ids, prefix=prefix, chunk_size=50)
+    assert not is_patched(model) and chunked["key"][0].shape == (2, 2, 300, 32)
+    for name in ("query", "key", "value"):
+        for exact, reused in zip(whole[name], chunked[name]):
+            torch.testing.assert_close(reused, exact, atol=2e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(chunked["logits"], model(ids).logits[:, -1], atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="the prefix holds 300 tokens"):
+        capture_prefill(model, ids, prefix=whole)
+
+
+@pytest.mark.parametrize("name", ["fp16", "kivi-2", "pnmix-1", "kitty", "pnmix-1-per-group"])
+def test_cache_from_states_equals_a_prefill_through_the_cache(name):
+    model = tiny_model("llama")
+    ids = torch.randint(0, 96, (2, 300), generator=torch.Generator().manual_seed(1))
+    captured = capture_prefill(model, ids)
+    config = METHODS[name]
+    patch_model(model, config)
+    try:
+        filled = cache_from_states(model, captured, config)
+        for index, layer in enumerate(filled.layers):  # the same state as attend() leaves after a prefill
+            attended = PNMixLayer(config, captured["pairing"])
+            attended.attend(*(captured[n][index] for n in ("query", "key", "value")), None, captured["scaling"])
+            assert layer.seen_tokens == attended.seen_tokens == 300
+            for field in _STATE:
+                assert torch.equal(getattr(layer, field), getattr(attended, field)), field
+        assert int(filled.layers[0].num_groups[0]) == (2 if config.quantize else 0)  # quantized groups were written
+        # decoding through it equals decoding after the model's own prefill
+        real = new_cache(model)
+        with torch.no_grad():
+            model(ids, cache=real, use_cache=True)
+            token = torch.tensor([[5], [7]])
+            torch.testing.assert_close(
+                model(token, cache=filled, use_cache=True).logits, model(token, cache=real, use_cache=True).logits,
+                atol=1e-4, rtol=1e-4,
+            )  # fmt: skip
+        layer = PNMixLayer(config)
+        prefill_layer_from_states(layer, captured["query"][0], captured["key"][0], captured["value"][0])
+        with pytest.raises(ValueError, match="already holds 300 tokens"):
+            prefill_layer_from_states(layer, captured["query"][0], captured["key"][0], captured["value"][0])
+    finally:
+        unpatch_model(model)
+
+
+def test_passkey_retrieval_decodes_what_generate_gives_and_resumes():
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+    configs = {"fp16": METHODS["fp16"], "pnmix-1": METHODS["pnmix-1"]}
+    answers = passkey_retrieval(model, tokenizer, configs, 400, 3, batch_size=2, chunk_size=128, progress=False)
+    assert [r["index"] for r in answers["fp16"]] == [r["index"] for r in answers["pnmix-1"]] == [0, 1, 2]
+    assert answers["fp16"][0]["key_bits"] == 16.0 and answers["pnmix-1"][0]["key_bits"] == pytest.approx(2.25, abs=0.02)
+    # fp16 answers are the model's own greedy continuations of the prompts
+    for trial, record in zip(make_passkey_trials(tokenizer, 400, 3)["trials"], answers["fp16"]):
+        ids = torch.tensor([trial["ids"]])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+        assert record["answer"] == tokenizer.decode(generated[0, ids.shape[1] :])
+        assert record["correct"] == passkey_correct(record["answer"], trial["key"])
+    # resumed: earlier answers are kept, only the missing trials run
+    done = {"fp16": answers["fp16"], "pnmix-1": [dict(answers["pnmix-1"][0], answer="kept")]}
+    resumed = passkey_retrieval(model, tokenizer, configs, 400, 4, done=done, batch_size=2, progress=False)
+    assert resumed["fp16"][:3] == answers["fp16"] and len(resumed["fp16"]) == 4
+    assert resumed["pnmix-1"][0]["answer"] == "kept" and resumed["pnmix-1"][1:3] == answers["pnmix-1"][1:]
+
+
+def test_run_evaluation_passkey_writes_accuracy_intervals_and_paired_flips(tmp_path):
+    model, tokenizer = tiny_model("llama"), CharTokenizer()
+    output = tmp_path / "eval_tiny.json"
+    settings = {"model": "tiny", "context": 2048, "queries": 64, "long_tokens": 1024, "prompts": 2}
+    output.write_text(json.dumps({"settings": settings, "attention_kl": {"kivi-2": {"key_bits": 2.25, "mean_kl": 0.3}}}))
+    results = run_evaluation(
+        model, tokenizer, "tiny", ["passkey"], ["fp16", "pnmix-1"], output, passkey_lengths=(300, 400), passkey_trials=2,
+        progress=False,
+    )  # fmt: skip
+    assert json.loads(output.read_text()) == json.loads(json.dumps(results, default=str))
+    assert results["attention_kl"]["kivi-2"]["mean_kl"] == 0.3  # other metrics are kept
+    entry = results["passkey"]["lengths"]["400"]
+    assert len(entry["trials"]) == 2 and entry["prompt_tokens"][0] <= 400
+    record = entry["methods"]["pnmix-1"]
+    assert record["trials"] == 2 and record["correct"] == sum(r["correct"] for r in record["answers"])
+    low, high = record["wilson_95"]
+    assert 0 <= low <= record["accuracy"] <= high <= 1
+    assert record["paired_vs_fp16"]["items"] == 2 and "paired_vs_fp16" not in entry["methods"]["fp16"]
+    table = summary_table(results)
+    assert "400 tokens: accuracy [95% CI]" in table and "| pnmix-1 | 2.25" in table
+    plots = {p.name: p for p in plot_results(results, tmp_path, "eval_tiny")}
+    assert plots["eval_tiny_passkey.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_eval_quick_command_on_the_real_model(tmp_path, capsys):
     output = tmp_path / "eval_quick.json"
-    assert main(["eval", "--quick", "--output", str(output)]) == 0
+    assert main(["eval", "--quick", "--metrics", "attention_kl", "long_output", "passkey", "gsm8k", "--output", str(output)]) == 0
     results = json.loads(output.read_text())
     assert set(results["attention_kl"]) == set(results["long_output"]) == {"fp16", "kivi-2", "pnmix-1", "kitty"}
     assert results["attention_kl"]["fp16"]["mean_kl"] == pytest.approx(0.0, abs=1e-6)
@@ -147,7 +321,21 @@ def test_eval_quick_command_on_the_real_model(tmp_path, capsys):
         assert results["long_output"][name]["key_bits"] < 3 and not math.isnan(results["long_output"][name]["key_bits"])
     assert results["long_output"]["fp16"]["top1_agreement"] == 1.0
     assert 0 < results["long_output_references"]["math-trains"]["distinct_4grams"] <= 1
-    assert "| pnmix-1 |" in capsys.readouterr().out
+    # passkey: 2 trials at 400 tokens, fp16 reads the exact cache
+    passkey = results["passkey"]["lengths"]["400"]["methods"]
+    assert set(passkey) == {"fp16", "kivi-2", "pnmix-1", "kitty"} and passkey["fp16"]["trials"] == 2
+    assert passkey["pnmix-1"]["key_bits"] < 3 and passkey["pnmix-1"]["paired_vs_fp16"]["items"] == 2
+    # GSM8K through lm-eval: the tiny task's first 2 problems, per-problem results, paired flips
+    gsm8k = results["gsm8k"]["methods"]
+    assert set(gsm8k) == {"fp16", "kivi-2", "pnmix-1", "kitty"}
+    for name, record in gsm8k.items():
+        assert [p["doc_id"] for p in record["problems"]] == [0, 1]
+        matches = [p["exact_match"]["flexible-extract"] for p in record["problems"]]
+        assert record["filters"]["flexible-extract"]["correct"] == sum(matches)
+        assert all(0 < tokens <= 17 for tokens in record["generated_tokens"])
+    assert gsm8k["pnmix-1"]["paired_vs_fp16"]["flexible-extract"]["items"] == 2
+    out = capsys.readouterr().out
+    assert "| pnmix-1 |" in out and "flexible-extract: exact match" in out
 
 
 @pytest.mark.parametrize(
@@ -156,6 +344,10 @@ def test_eval_quick_command_on_the_real_model(tmp_path, capsys):
         (["--methods", "pnmix-9"], "method 'pnmix-9' is unknown"),
         (["--context", "0"], "--context=0 is invalid: allowed a positive integer"),
         (["--long-tokens", "-5"], "--long-tokens=-5 is invalid"),
+        (["--passkey-trials", "0"], "--passkey-trials=0 is invalid"),
+        (["--passkey-lengths", "1024", "0"], "--passkey-lengths=[1024, 0] is invalid"),
+        (["--gsm8k-limit", "0"], "--gsm8k-limit=0 is invalid"),
+        (["--metrics", "bleu"], "invalid choice: 'bleu'"),
     ],
 )
 def test_eval_command_rejects_bad_arguments_before_loading(arguments, message, capsys):
