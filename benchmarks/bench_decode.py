@@ -1,6 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
+        [--contexts 1024 32768] [--compiled-only] [--profile] [--coordinate-descent-tuning]
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
    its PyTorch reference, bit-exact, on CUDA; a tiny patched Llama decoding greedily with
@@ -27,7 +28,14 @@
    Bandwidth floor: (weight bytes + cache bytes read per step) / copy bandwidth
    measured in the same run (read + write bytes of a 2 GiB device copy).
 
-Writes ``bench_decode.json`` under ``--out`` (default ``benchmarks/results``).
+``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
+the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
+grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
+the rest. ``--coordinate-descent-tuning`` sets inductor's
+``coordinate_descent_tuning`` (as gpt-fast does) for every compiled variant, to see how
+much of the gap to the floor is the model's own kernels.
+
+Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -37,10 +45,12 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
@@ -246,13 +256,69 @@ def time_steps(forward, model, cache, name, batch=1, warmup=WARMUP, steps=STEPS)
     return times
 
 
+def kernel_category(kernel: str) -> str:
+    """Coarse class of a CUDA kernel name in a decode step."""
+    name = kernel.lower()
+    if any(k in name for k in ("_decode_split", "_decode_combine", "_append_token", "_pack_keys", "_pack_values")):
+        return "pnmix attention + cache update"
+    if any(k in name for k in ("flash", "fmha", "attention", "sdpa", "index_copy", "index_put", "scatter")):
+        return "bf16 attention + cache update"
+    if any(k in name for k in ("gemm", "gemv", "cublas", "cutlass", "sm90_xmma", "nvjet", "splitk")):
+        return "matrix multiplies"
+    return "other"
+
+
+def profile_steps(forward, model, cache, name, steps=5) -> dict:
+    """GPU time of ``steps`` decode steps by kernel: µs per step, largest first, and by category."""
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        for _ in range(3):
+            forward(input_ids=token, **{name: cache})
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+            for _ in range(steps):
+                forward(input_ids=token, **{name: cache})
+            torch.cuda.synchronize()
+        # Host cost of a call: launch-only time per call, and the step time when calls are not
+        # synchronized one by one (the GPU then hides the host work if it is shorter).
+        calls = 20
+        host, started = 0.0, time.perf_counter()
+        for _ in range(calls):
+            call = time.perf_counter()
+            forward(input_ids=token, **{name: cache})
+            host += time.perf_counter() - call
+        torch.cuda.synchronize()
+        pipelined = (time.perf_counter() - started) / calls
+        host /= calls
+    kernels = {}
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.device_time_total / steps
+            entry[1] += 1
+    rows = sorted(({"kernel": k[:120], "us_per_step": t, "launches_per_step": n / steps, "category": kernel_category(k)}
+                   for k, (t, n) in kernels.items()), key=lambda r: -r["us_per_step"])  # fmt: skip
+    categories = {}
+    for row in rows:
+        total = categories.setdefault(row["category"], {"us_per_step": 0.0, "launches_per_step": 0.0})
+        total["us_per_step"] += row["us_per_step"]
+        total["launches_per_step"] += row["launches_per_step"]
+    busy = sum(r["us_per_step"] for r in rows)
+    print(f"    GPU busy {busy:8.1f} us/step in {sum(r['launches_per_step'] for r in rows):.0f} launches; "
+          + "; ".join(f"{c}: {v['us_per_step']:.1f} us ({v['launches_per_step']:.0f})" for c, v in categories.items()),
+          flush=True)  # fmt: skip
+    print(f"    host time per call {host * 1e6:8.1f} us; unsynchronized steps {pipelined * 1e6:8.1f} us each", flush=True)
+    return {"gpu_busy_us_per_step": busy, "host_us_per_call": host * 1e6, "unsynchronized_us_per_step": pipelined * 1e6,
+            "categories": categories, "top_kernels": rows[:25]}  # fmt: skip
+
+
 def prefill(model, cache, name, batch=1, tokens=PROMPT):
     prompt = torch.randint(0, 1000, (batch, tokens), device=model.device)
     with torch.no_grad():
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
-def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
+def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False) -> list[dict]:
     config = model_config(model_name)
     torch.manual_seed(0)
     with torch.device(device):
@@ -261,12 +327,14 @@ def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
     name = cache_arg(model)
     rows = []
 
-    def record(variant, context, times, cache_bytes):
+    def record(variant, context, times, cache_bytes, kernels=None):
         ms = statistics.median(times)
         floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
         rows.append({"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
                      "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
                      "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms})  # fmt: skip
+        if kernels is not None:
+            rows[-1]["profile"] = kernels
         print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
               f"({floor / ms:5.1%})", flush=True)
 
@@ -275,38 +343,44 @@ def time_model(model_name: str, device, bandwidth: float) -> list[dict]:
         return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
     # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
-    for variant, attention in (("bf16-compiled-fair", "sdpa_gqa"), ("bf16-compiled-stock", "sdpa")):
+    variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
+    for variant, attention in variants:
         model.set_attn_implementation(attention)
-        for context in CONTEXTS if variant.endswith("fair") else CONTEXTS[-1:]:
+        for context in contexts if variant.endswith("fair") else contexts[-1:]:
             cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
             prefill(model, cache, name)
             cache_bytes = fill_bf16(cache, context)
             forward = compiled_forward()
-            record(variant, context, time_steps(forward, model, cache, name), cache_bytes)
+            times = time_steps(forward, model, cache, name)
+            record(variant, context, times, cache_bytes, profile_steps(forward, model, cache, name) if profile else None)
             del cache, forward
             torch.cuda.empty_cache()
     model.set_attn_implementation("sdpa")
-    for context in CONTEXTS:
+    for context in () if compiled_only else contexts:
         cache = DynamicCache(config=model.config)
         prefill(model, cache, name)
-        record("bf16-eager", context, time_steps(model.forward, model, cache, name), fill_bf16(cache, context))
+        cache_bytes = fill_bf16(cache, context)  # before timing: the steps must see the context
+        record("bf16-eager", context, time_steps(model.forward, model, cache, name), cache_bytes)
         del cache
     # PN-Mix: one static size for all contexts (the kernels read only the valid lengths).
     patch_model(model, "pnmix-1")
-    static = new_cache(model, CONTEXTS[-1] + WARMUP + STEPS + PROMPT, static=True)
+    static = new_cache(model, max(contexts) + WARMUP + STEPS + PROMPT, static=True)
     prefill(model, static, name)
     forward = compiled_forward()
     counters.clear()
-    for context in CONTEXTS:
+    for context in contexts:
         static.reset()
         prefill(model, static, name)
-        record("pnmix-compiled", context, time_steps(forward, model, static, name), fill_pnmix(static, context))
+        cache_bytes = fill_pnmix(static, context)
+        times = time_steps(forward, model, static, name)
+        record("pnmix-compiled", context, times, cache_bytes, profile_steps(forward, model, static, name) if profile else None)
     skips = dict(counters["inductor"])
     del static
-    for context in CONTEXTS:
+    for context in () if compiled_only else contexts:
         cache = new_cache(model)
         prefill(model, cache, name)
-        record("pnmix-eager", context, time_steps(model.forward, model, cache, name), fill_pnmix(cache, context))
+        cache_bytes = fill_pnmix(cache, context)
+        record("pnmix-eager", context, time_steps(model.forward, model, cache, name), cache_bytes)
         del cache
     unpatch_model(model)
     print(f"  inductor counters during PN-Mix compiled timing: {skips}", flush=True)
@@ -320,7 +394,15 @@ def main() -> None:
     parser.add_argument("--model", action="append", choices=MODELS, required=True)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="default: 1024 8192 32768")
+    parser.add_argument("--compiled-only", action="store_true", help="only bf16-compiled-fair and pnmix-compiled")
+    parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
+    parser.add_argument("--coordinate-descent-tuning", action="store_true", help="inductor's coordinate_descent_tuning")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
+    if min(args.contexts) <= PROMPT:
+        parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
+    torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent_tuning
     device = torch.device("cuda")
     started = time.time()
     checks = {}
@@ -333,16 +415,20 @@ def main() -> None:
         }
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-    rows = [row for model_name in args.model for row in time_model(model_name, device, bandwidth)]
+    rows = [
+        row
+        for model_name in args.model
+        for row in time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile)
+    ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
-        "command": "python benchmarks/bench_decode.py " + " ".join(f"--model {m}" for m in args.model),
+        "command": "python " + " ".join(sys.argv),
         "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
     }  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    suffix = "_".join(args.model)
+    suffix = "_".join(args.model) + (f"_{args.tag}" if args.tag else "")
     (Path(args.out) / f"bench_decode_{suffix}.json").write_text(json.dumps(report, indent=2))
 
 
