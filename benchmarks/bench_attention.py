@@ -210,14 +210,81 @@ def flush_cost(device, rows) -> list[dict]:
     return results
 
 
+def sweep_launch(device) -> list[dict]:
+    """Split-kernel launch options (warps, pipeline stages, split count) for pnmix-1, bf16,
+    against the defaults (4 warps, 3 stages, ``_default_splits``), and the cost of an idle
+    static-cache append (no flush) at the same batch."""
+    from pnmix_patch.kernels.decode_append import decode_append
+    from pnmix_patch.kernels.decode_attention import _default_splits, triton_decode_attention
+
+    rows = []
+    config = PRESETS["pnmix-1"]
+    for batch, tokens in ((1, 32768), (8, 16384), (32, 16384)):
+        args = build_cache(config, batch, tokens, torch.bfloat16, device)
+        chunks = args[5].shape[2] * args[5].shape[4]
+        default = _default_splits(args[0], batch * KV_HEADS, chunks)
+        expected = decode_attention(*args)
+        for warps in (4, 8):
+            for stages in (1, 2, 3):
+                for splits in sorted({default, 2 * default, max(1, default // 2)}):
+                    def run():
+                        return triton_decode_attention(*args, num_splits=splits, num_warps=warps, num_stages=stages)
+
+                    error = ((run().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+                    ms = median_ms(run)
+                    rows.append({"batch": batch, "context": tokens, "num_warps": warps, "num_stages": stages,
+                                 "num_splits": splits, "default": (warps, stages, splits) == (4, 3, default),
+                                 "ms": ms, "max_error_vs_default": error})  # fmt: skip
+                    print(f"  launch B={batch:2d} T={tokens:6d} warps={warps} stages={stages} splits={splits:3d}: "
+                          f"{ms * 1e3:8.1f} us  (error vs default {error:.1e})", flush=True)
+        del args
+        # One idle decode append (sinks full, residual half full: no flush) at this batch.
+        heads, dim, groups = KV_HEADS, HEAD_DIM, tokens // config.key_group_size
+        num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+        append_args = [
+            torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
+            torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16), random_order(batch, num_high, device, heads),
+            *(torch.zeros(batch, heads, SINKS, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
+            torch.full((batch,), SINKS, device=device, dtype=torch.int32),
+            *(torch.zeros(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
+            torch.full((batch,), RESIDUAL // 2, device=device, dtype=torch.int32),
+            torch.zeros(batch, heads, groups, config.key_bits_high, config.key_group_size // 32, num_high, device=device, dtype=torch.int32),
+            torch.zeros(batch, heads, groups, config.key_bits_low, config.key_group_size // 32, dim - num_high, device=device, dtype=torch.int32),
+            *(torch.zeros(batch, heads, groups, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
+            torch.zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, device=device, dtype=torch.int32),
+            *(torch.zeros(batch, heads, groups * config.key_group_size, 1, device=device, dtype=torch.bfloat16) for _ in range(2)),
+            torch.zeros(batch, device=device, dtype=torch.int32), torch.zeros(batch, device=device, dtype=torch.bool), True,
+        ]  # fmt: skip
+        residual_len = append_args[8]
+
+        def append():
+            decode_append(*append_args)
+            residual_len.fill_(RESIDUAL // 2)  # stay idle: never reach a flush
+
+        ms = median_ms(append)
+        reset_ms = median_ms(lambda: residual_len.fill_(RESIDUAL // 2))
+        rows.append({"batch": batch, "context": tokens, "idle_append_and_reset_ms": ms, "reset_ms": reset_ms})
+        print(f"  idle decode_append (3 launches) + length reset B={batch:2d}: {ms * 1e3:6.1f} us; "
+              f"the reset alone {reset_ms * 1e3:5.1f} us", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep-launch", action="store_true", help="only the split kernel's launch-option sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()
+    if args.sweep_launch:
+        rows = sweep_launch(device)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "command": "python benchmarks/bench_attention.py --sweep-launch", "rows": rows}  # fmt: skip
+        (Path(args.out) / "bench_attention_launch_sweep.json").write_text(json.dumps(report, indent=2))
+        return
     print("correctness", flush=True)
     correctness = check_correctness(device)
     bandwidth = copy_bandwidth(device)

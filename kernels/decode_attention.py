@@ -269,10 +269,12 @@ def triton_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
+    num_warps: int = 4, num_stages: int = 3,
 ) -> torch.Tensor:
     """Launch the split and combine kernels; arguments as :func:`decode_attention`.
 
-    ``num_splits`` overrides the split count (tests use it to exercise the merge).
+    ``num_splits`` overrides the split count (tests use it to exercise the merge);
+    ``num_warps`` and ``num_stages`` are the split kernel's launch options (benchmarks sweep them).
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
@@ -313,6 +315,7 @@ def triton_decode_attention(
         BITS_V=value_codes.shape[3], GV=value_group,
         BLOCK_N_DENSE=BLOCK_N_DENSE,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
     )
     _decode_combine_kernel[(batch * q_heads,)](
         m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
