@@ -245,7 +245,7 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device())
     started = time.time()
     model = build_model(device)
-    planner = CapacityPlanner("qwen3-8b")
+    planner = CapacityPlanner("qwen3-8b", bf16_attention="gqa")  # the bf16 runs read the cache with enable_gqa
     parts, methods = args.parts.split(","), args.methods.split(",")
     report = {}
     if "capacity" in parts:

@@ -12,8 +12,17 @@ For a model config, a preset, a batch, a prompt and a generation length:
 - **Working memory** of the largest step is an estimate (the one part not read from
   the code): the prefill of ``batch x prompt`` tokens (hidden states, q/k/v and the
   repeated keys/values of exact attention, the MLP's three intermediate tensors, pair
-  scores), a decode step's float32 logits, and for bf16 one layer's keys and values
-  expanded to the query heads over the whole static cache (transformers' SDPA path).
+  scores), a decode step's float32 logits, and for bf16 with ``bf16_attention="stock"``
+  one layer's keys and values expanded to the query heads over the whole static cache:
+  transformers' SDPA path repeats the KV heads (``repeat_kv``) whenever it passes a mask,
+  as a compiled decode step over a ``StaticCache`` does. With ``"gqa"`` (SDPA reading the
+  KV heads directly, ``enable_gqa=True``, as ``benchmarks/bench_decode.py``'s fair
+  baseline) nothing is expanded. An eager prefill into an empty cache needs no mask
+  (SDPA's causal path), so the prefill term has no expansion either way. Compiling the
+  decode step needs room for a copy of the largest weight matrix (inductor's matmul
+  padding pass benchmarks on a random copy of it: a bf16 run planned without this term
+  ran out of memory while compiling, allocating 1.16 GiB, the output embedding of the
+  Qwen3-8B shape), counted instead of the prefill's activations when larger.
   Measured peaks assume ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` (little
   fragmentation); without it the allocator can hold a GiB or more of unusable blocks.
 - **Peak** = weights + cache + working memory. The largest batch for a length and the
@@ -89,13 +98,21 @@ class CapacityPlanner:
     Args:
         model: a config or anything :func:`model_config` accepts.
         dtype: the model's dtype (weights, activations, bf16 cache), default bfloat16.
+        bf16_attention: how the bf16 baseline's decode steps read the cache: ``"stock"``
+            (transformers' SDPA path, KV heads expanded over the whole cache, the default)
+            or ``"gqa"`` (SDPA with ``enable_gqa=True``, nothing expanded).
     """
 
-    def __init__(self, model, dtype: torch.dtype = torch.bfloat16):
+    BF16_ATTENTION = ("stock", "gqa")
+
+    def __init__(self, model, dtype: torch.dtype = torch.bfloat16, bf16_attention: str = "stock"):
         from transformers import AutoModelForCausalLM
 
+        if bf16_attention not in self.BF16_ATTENTION:
+            raise ValueError(f"bf16_attention={bf16_attention!r} is invalid: allowed {', '.join(self.BF16_ATTENTION)}")
         self.config = model_config(model).get_text_config(decoder=True)
         self.dtype = dtype
+        self.bf16_attention = bf16_attention
         config = self.config
         self.layers = config.num_hidden_layers
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -103,6 +120,7 @@ class CapacityPlanner:
         with torch.device("meta"):
             meta_model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in meta_model.parameters())
+        self.largest_matrix_bytes = max(p.numel() * p.element_size() for p in meta_model.parameters())
         del meta_model
 
     # -------------------------------------------------------------- cache bytes
@@ -132,22 +150,25 @@ class CapacityPlanner:
     def working_bytes(self, batch: int, prompt: int, quantized: bool, positions: int = 0) -> int:
         """Estimated transient memory of the largest step: prefill of ``batch x prompt`` tokens,
         or a decode step's float32 logits (see the module docstring). For the bf16 static
-        cache (``quantized=False``) also one layer's keys and values expanded to the query
-        heads over all ``positions`` (transformers' SDPA path repeats the KV heads)."""
+        cache (``quantized=False``) with ``bf16_attention="stock"`` also one layer's keys and
+        values expanded to the query heads over all ``positions`` (``repeat_kv``)."""
         config, element = self.config, torch.empty((), dtype=self.dtype).element_size()
         tokens = batch * prompt
         q_heads = config.num_attention_heads
         per_token = (
             4 * config.hidden_size  # residual stream, normed input, attention output, MLP output
             + (q_heads + 2 * self.kv_heads) * self.head_dim  # q, k, v
-            + 2 * q_heads * self.head_dim  # keys and values repeated to the query heads for SDPA
             + 3 * config.intermediate_size  # gate, up, act(gate) * up
         ) * element
-        if quantized:  # pair scores of the prompt (float32 query/key pair norms)
-            per_token += (q_heads + self.kv_heads) * self.head_dim // 2 * 4
+        if quantized:
+            per_token += 2 * q_heads * self.head_dim * element  # exact prefill: KV heads repeated for SDPA
+            per_token += (q_heads + self.kv_heads) * self.head_dim // 2 * 4  # pair scores (float32 pair norms)
         logits = 2 * batch * config.vocab_size * 4  # last-token logits in float32, and their copy
-        expanded = 0 if quantized else 2 * batch * q_heads * positions * self.head_dim * element
-        return tokens * per_token + logits + expanded
+        expands = not quantized and self.bf16_attention == "stock"
+        expanded = 2 * batch * q_heads * positions * self.head_dim * element if expands else 0
+        # torch.compile's matmul padding pass times a random copy of each weight operand while
+        # compiling the decode step (after the prefill's activations are freed).
+        return max(tokens * per_token, self.largest_matrix_bytes) + logits + expanded
 
     def peak_bytes(self, preset: PNMixConfig | str | None, batch: int, prompt: int, generated: int) -> int:
         """Weights + cache for ``prompt + generated`` positions + working memory."""
@@ -173,6 +194,7 @@ class CapacityPlanner:
         result = {
             "model_type": self.config.model_type, "dtype": str(self.dtype).replace("torch.", ""), "preset": preset.name,
             "batch": batch, "prompt": prompt, "generated": generated, "weight_bytes": self.weight_bytes,
+            "bf16_attention": self.bf16_attention,
         }  # fmt: skip
         for label, method in (("bf16", None), (preset.name, preset)):
             entry = {
@@ -236,6 +258,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generate", type=int, default=8192, help="generated tokens (default 8192)")
     parser.add_argument("--budget", default=None, help="memory budget, e.g. 40GB or 39.5GiB: adds the largest batch and longest generation")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--bf16-attention", default="stock", choices=CapacityPlanner.BF16_ATTENTION,
+                        help="bf16 decode attention: 'stock' transformers SDPA (expands the KV heads) or 'gqa' (enable_gqa)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -244,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
     for name, least in (("batch", 1), ("prompt", 1), ("generate", 0)):
         if getattr(args, name) < least:
             raise ValueError(f"--{name}={getattr(args, name)} is invalid: allowed an integer >= {least}")
-    planner = CapacityPlanner(args.model, getattr(torch, args.dtype))
+    planner = CapacityPlanner(args.model, getattr(torch, args.dtype), args.bf16_attention)
     plan = planner.plan(args.preset, args.batch, args.prompt, args.generate, None if args.budget is None else parse_bytes(args.budget))
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0

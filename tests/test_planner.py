@@ -50,6 +50,20 @@ def test_largest_batch_and_longest_generation_are_the_edges_of_the_budget():
     assert "largest batch" in format_plan(plan)
 
 
+def test_bf16_attention_decides_the_expanded_keys_and_values():
+    stock, gqa = CapacityPlanner("qwen3-8b"), CapacityPlanner("qwen3-8b", bf16_attention="gqa")
+    # Stock transformers SDPA repeats one layer's keys and values to the 32 query heads over the cache.
+    expanded = 2 * 19 * 32 * (141 + 8192) * 128 * 2
+    assert stock.peak_bytes(None, 19, 141, 8192) - gqa.peak_bytes(None, 19, 141, 8192) == expanded
+    assert stock.peak_bytes("pnmix-1", 19, 141, 8192) == gqa.peak_bytes("pnmix-1", 19, 141, 8192)
+    assert gqa.plan("pnmix-1", 19, 141, 8192)["bf16_attention"] == "gqa"
+    # Compiling needs room for a copy of the largest weight (the output embedding here).
+    assert gqa.largest_matrix_bytes == 151936 * 4096 * 2
+    assert gqa.working_bytes(1, 1, quantized=False) >= gqa.largest_matrix_bytes
+    with pytest.raises(ValueError, match="bf16_attention='flash' is invalid: allowed stock, gqa"):
+        CapacityPlanner("qwen3-8b", bf16_attention="flash")
+
+
 def test_sizes_and_models_are_checked():
     assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("1.5GiB") == 3 * 2**29 and parse_bytes(7) == 7
     with pytest.raises(ValueError, match="cannot read a memory size from '40 apples'"):
