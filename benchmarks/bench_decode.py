@@ -1,7 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
-        [--contexts 1024 32768] [--compiled-only] [--profile] [--coordinate-descent-tuning]
+        [--contexts 1024 32768] [--compiled-only] [--profile]
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
    its PyTorch reference, bit-exact, on CUDA; a tiny patched Llama decoding greedily with
@@ -31,9 +31,8 @@
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
-the rest. ``--coordinate-descent-tuning`` sets inductor's
-``coordinate_descent_tuning`` (as gpt-fast does) for every compiled variant, to see how
-much of the gap to the floor is the model's own kernels.
+the rest, plus the host time of one call (guards, CUDA-graph replay) and the step time
+when calls are not synchronized one by one.
 
 Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``).
 """
@@ -50,7 +49,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch._inductor.config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
@@ -397,12 +395,10 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="default: 1024 8192 32768")
     parser.add_argument("--compiled-only", action="store_true", help="only bf16-compiled-fair and pnmix-compiled")
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
-    parser.add_argument("--coordinate-descent-tuning", action="store_true", help="inductor's coordinate_descent_tuning")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
-    torch._inductor.config.coordinate_descent_tuning = args.coordinate_descent_tuning
     device = torch.device("cuda")
     started = time.time()
     checks = {}
