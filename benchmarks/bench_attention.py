@@ -210,11 +210,56 @@ def flush_cost(device, rows) -> list[dict]:
     return results
 
 
+def append_cost(device, batch: int, tokens: int) -> dict:
+    """GPU time of the static cache's decode append (``pnmix::decode_append``, pnmix-1, bf16,
+    Qwen3-8B head shape) for ``batch`` sequences with room for ``tokens``: idle (sinks full,
+    residual half full, no flush: 127 of 128 steps) and flushing (residual full: the buffer
+    is quantized into the next group, then the token appended). Each replay also resets the
+    lengths (one or two small fills, timed alone and reported)."""
+    from pnmix_patch.kernels.decode_append import decode_append
+
+    config = PRESETS["pnmix-1"]
+    heads, dim, groups = KV_HEADS, HEAD_DIM, tokens // config.key_group_size
+    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+
+    def zeros(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, device=device, dtype=dtype)
+
+    args = [
+        torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
+        torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16), random_order(batch, num_high, device, heads),
+        zeros(batch, heads, SINKS, dim), zeros(batch, heads, SINKS, dim), zeros(batch, dtype=torch.int32) + SINKS,
+        torch.randn(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16), zeros(batch, heads, RESIDUAL, dim),
+        zeros(batch, dtype=torch.int32),
+        zeros(batch, heads, groups, config.key_bits_high, config.key_group_size // 32, num_high, dtype=torch.int32),
+        zeros(batch, heads, groups, config.key_bits_low, config.key_group_size // 32, dim - num_high, dtype=torch.int32),
+        zeros(batch, heads, groups, dim), zeros(batch, heads, groups, dim),
+        zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, dtype=torch.int32),
+        zeros(batch, heads, groups * config.key_group_size, 1), zeros(batch, heads, groups * config.key_group_size, 1),
+        zeros(batch, dtype=torch.int32), zeros(batch, dtype=torch.bool), True,
+    ]  # fmt: skip
+    residual_len, num_groups = args[8], args[16]
+    result = {"batch": batch, "context": tokens}
+    for case, residual in (("idle", RESIDUAL // 2), ("flush", RESIDUAL)):
+        def reset():
+            residual_len.fill_(residual)
+            num_groups.fill_(0)  # flushes always find room
+
+        def append():
+            decode_append(*args)
+            reset()
+
+        result[f"{case}_ms"] = median_ms(append)
+        result["reset_ms"] = median_ms(reset)
+        print(f"  decode_append B={batch:2d}, {case:5s}: {result[f'{case}_ms'] * 1e3:6.1f} us with the reset "
+              f"({result['reset_ms'] * 1e3:4.1f} us alone)", flush=True)
+    return result
+
+
 def sweep_launch(device) -> list[dict]:
     """Split-kernel launch options (warps, pipeline stages, split count) for pnmix-1, bf16,
-    against the defaults (4 warps, 3 stages, ``_default_splits``), and the cost of an idle
-    static-cache append (no flush) at the same batch."""
-    from pnmix_patch.kernels.decode_append import decode_append
+    against the defaults (4 warps, 3 stages, ``_default_splits``), and the decode append's
+    cost at the same batch (:func:`append_cost`)."""
     from pnmix_patch.kernels.decode_attention import _default_splits, triton_decode_attention
 
     rows = []
@@ -238,34 +283,7 @@ def sweep_launch(device) -> list[dict]:
                     print(f"  launch B={batch:2d} T={tokens:6d} warps={warps} stages={stages} splits={splits:3d}: "
                           f"{ms * 1e3:8.1f} us  (error vs default {error:.1e})", flush=True)
         del args
-        # One idle decode append (sinks full, residual half full: no flush) at this batch.
-        heads, dim, groups = KV_HEADS, HEAD_DIM, tokens // config.key_group_size
-        num_high = 2 * config.num_selected_pairs(HEAD_DIM)
-        append_args = [
-            torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
-            torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16), random_order(batch, num_high, device, heads),
-            *(torch.zeros(batch, heads, SINKS, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
-            torch.full((batch,), SINKS, device=device, dtype=torch.int32),
-            *(torch.zeros(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
-            torch.full((batch,), RESIDUAL // 2, device=device, dtype=torch.int32),
-            torch.zeros(batch, heads, groups, config.key_bits_high, config.key_group_size // 32, num_high, device=device, dtype=torch.int32),
-            torch.zeros(batch, heads, groups, config.key_bits_low, config.key_group_size // 32, dim - num_high, device=device, dtype=torch.int32),
-            *(torch.zeros(batch, heads, groups, dim, device=device, dtype=torch.bfloat16) for _ in range(2)),
-            torch.zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, device=device, dtype=torch.int32),
-            *(torch.zeros(batch, heads, groups * config.key_group_size, 1, device=device, dtype=torch.bfloat16) for _ in range(2)),
-            torch.zeros(batch, device=device, dtype=torch.int32), torch.zeros(batch, device=device, dtype=torch.bool), True,
-        ]  # fmt: skip
-        residual_len = append_args[8]
-
-        def append():
-            decode_append(*append_args)
-            residual_len.fill_(RESIDUAL // 2)  # stay idle: never reach a flush
-
-        ms = median_ms(append)
-        reset_ms = median_ms(lambda: residual_len.fill_(RESIDUAL // 2))
-        rows.append({"batch": batch, "context": tokens, "idle_append_and_reset_ms": ms, "reset_ms": reset_ms})
-        print(f"  idle decode_append (3 launches) + length reset B={batch:2d}: {ms * 1e3:6.1f} us; "
-              f"the reset alone {reset_ms * 1e3:5.1f} us", flush=True)
+        rows.append(append_cost(device, batch, tokens))
     return rows
 
 
@@ -274,10 +292,21 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep-launch", action="store_true", help="only the split kernel's launch-option sweep")
+    parser.add_argument("--append-only", action="store_true", help="only the decode append's cost (and its bit-exactness)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()
+    if args.append_only:
+        from bench_decode import check_decode_append
+
+        report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "command": "python benchmarks/bench_attention.py --append-only",
+                  "bit_exact": check_decode_append(device),
+                  "rows": [append_cost(device, batch, tokens) for batch, tokens in ((1, 32768), (8, 16384), (32, 16384))]}  # fmt: skip
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "bench_attention_append.json").write_text(json.dumps(report, indent=2))
+        return
     if args.sweep_launch:
         rows = sweep_launch(device)
         Path(args.out).mkdir(parents=True, exist_ok=True)
