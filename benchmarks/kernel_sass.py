@@ -1,0 +1,145 @@
+"""Static instruction counts of the decode-attention kernel for an H100/H200 (sm_90), no GPU needed.
+
+    python benchmarks/kernel_sass.py [--presets pnmix-1 pnmix-2 kivi-2] [--out DIR]
+
+Compiles ``_decode_split_kernel`` (``kernels/decode_attention.py``) for ``sm_90`` with the
+Qwen3-8B head shape (4 query heads per KV head, head dim 128), bf16 and its default launch
+options (4 warps, 3 stages), exactly as Triton would on the GPU, then reads the machine code
+with the ``cuobjdump`` that ships with Triton:
+
+- registers per thread (at most 255; 255 means two 4-warp programs per multiprocessor);
+- the kernel's loops: the backward branches of the SASS, in program order: sinks, packed
+  groups, residual (the dense loops of sinks and residual step 64 tokens; the packed loop
+  32 tokens, one bit-plane word per channel);
+- for the packed loop, the instructions of one iteration of one warp by class, and
+  per cached token and KV head (``instructions x warps / 32``): the figure that bounds the
+  kernel when it is instruction-bound (an H200 issues about 132 x 4 warp-instructions per
+  cycle).
+
+A static count: one pass through the loop body, every instruction counted once (branches
+inside the body are not weighted). It measures the code, not the time; use it to compare
+kernel variants between GPU runs. Writes ``kernel_sass.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pnmix_patch import PNMixConfig
+from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, _decode_split_kernel
+
+PRESETS = {
+    "pnmix-1": PNMixConfig(name="pnmix-1"),
+    "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64, name="pnmix-2"),
+    "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2, name="kivi-2"),
+}
+RATIO, HEAD_DIM, NUM_WARPS, NUM_STAGES = 4, 128, 4, 3
+POINTER_TYPES = {
+    "order_ptr": "*i64", "sink_len_ptr": "*i32", "kc_high_ptr": "*i32", "kc_low_ptr": "*i32", "vc_ptr": "*i32",
+    "num_groups_ptr": "*i32", "res_len_ptr": "*i32", "m_out_ptr": "*fp32", "l_out_ptr": "*fp32", "acc_out_ptr": "*fp32",
+}  # fmt: skip
+CLASSES = {
+    "tensor core": ("HMMA",),
+    "shared memory": ("LDS", "STS", "LDSM", "STSM"),
+    "warp shuffle": ("SHFL",),
+    "barrier": ("BAR",),
+    "global memory": ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "DEPBAR"),
+    "conversion": ("I2F", "F2F", "F2FP", "I2FP", "F2I"),
+    "float": ("FADD", "FMUL", "FFMA", "FMNMX", "MUFU", "FSETP", "FSEL", "HADD2", "HMUL2", "HFMA2"),
+    "integer and logic": ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "IABS", "IMNMX", "VIADD", "BFE", "BFI", "FLO", "POPC", "LOP", "SGXT"),
+    "control": ("BRA", "BSSY", "BSYNC", "BREAK", "WARPSYNC", "NOP"),
+}
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def compile_split_kernel(config: PNMixConfig) -> bytes:
+    """The sm_90 cubin of the split kernel for ``config`` at the Qwen3-8B head shape, bf16."""
+    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+    constants = dict(
+        RATIO=RATIO, BLOCK_Q=16, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=config.key_group_size, C_HIGH=num_high,
+        BITS_HIGH=config.key_bits_high, BITS_LOW=config.key_bits_low, BITS_V=config.value_bits, GV=HEAD_DIM,
+        BLOCK_N_DENSE=BLOCK_N_DENSE, DOT_PRECISION="tf32",
+    )  # fmt: skip
+    signature = {}
+    for name in _decode_split_kernel.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = POINTER_TYPES.get(name, "*bf16")
+        else:
+            signature[name] = "fp32" if name == "qk_scale" else "i32"
+    source = ASTSource(_decode_split_kernel, signature, constants)
+    options = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+def analyze(cubin: bytes) -> dict:
+    """Registers, loops and the packed loop's instruction classes of a cubin."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        Path(path).write_bytes(cubin)
+        usage = subprocess.run([BIN / "cuobjdump", "-res-usage", path], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", path], capture_output=True, text=True, check=True).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    instructions = []  # (address, opcode, text)
+    for match in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);", sass):
+        instructions.append((int(match.group(1), 16), match.group(3).split(".")[0], match.group(3) + match.group(4)))
+    loops = []
+    for address, opcode, text in instructions:
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if opcode == "BRA" and target and int(target.group(1), 16) < address:
+            start = int(target.group(1), 16)
+            loops.append([op for a, op, _ in instructions if start <= a <= address])
+    result = {"registers": registers, "loop_sizes": [len(body) for body in loops]}
+    if len(loops) == 3:  # sinks, packed groups, residual
+        body = Counter(loops[1])
+        classes = {name: sum(body[op] for op in ops) for name, ops in CLASSES.items()}
+        classes["other"] = len(loops[1]) - sum(classes.values())
+        result.update(
+            packed_loop_instructions_per_warp=len(loops[1]),
+            packed_loop_instructions_per_token_and_kv_head=len(loops[1]) * NUM_WARPS / 32,
+            packed_loop_classes=classes,
+            packed_loop_top_opcodes=dict(body.most_common(12)),
+        )
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1 is set: unset it, this tool compiles for the GPU")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "triton": triton.__version__, "target": "sm_90",
+              "shape": {"query_heads_per_kv_head": RATIO, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+              "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+              "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets), "kernels": {}}  # fmt: skip
+    for name in args.presets:
+        result = analyze(compile_split_kernel(PRESETS[name]))
+        report["kernels"][name] = result
+        line = f"{name:8s} registers {result['registers']:3d}  loops {result['loop_sizes']}"
+        if "packed_loop_classes" in result:
+            line += (f"  packed loop: {result['packed_loop_instructions_per_warp']} instructions per warp per 32 tokens = "
+                     f"{result['packed_loop_instructions_per_token_and_kv_head']:.0f} per token and KV head; "
+                     + ", ".join(f"{k} {v}" for k, v in result["packed_loop_classes"].items()))  # fmt: skip
+        print(line, flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kernel_sass.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
