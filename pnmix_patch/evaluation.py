@@ -727,9 +727,10 @@ def run_evaluation(
     (passkey: after every batch of trials).
 
     An existing ``output`` is resumed: methods (passkey: trials) already measured with the same
-    settings are skipped; a metric whose settings changed is measured again (the others are
-    kept). Writes merge with the file under a lock, so processes running different metrics,
-    methods or passkey lengths on the same model can share one file.
+    settings are skipped; a metric run with changed settings is measured again (its old results
+    are dropped); metrics not run keep their results and settings. Writes merge with the file
+    under a lock, so processes running different metrics, methods or passkey lengths on the
+    same model can share one file.
     """
     for metric in metrics:
         if metric not in METRICS:
@@ -747,14 +748,23 @@ def run_evaluation(
         if old is None or old.get("model") != model_name:
             results = {}
         else:
+            # A metric's results are dropped only when that metric is run with other settings;
+            # a metric not run now keeps its results and its settings (e.g. a long-output run
+            # with the default --gsm8k-limit must not delete a GSM8K section measured at another N).
             if (old.get("context"), old.get("queries")) != (context, queries):
-                results.pop("attention_kl", None)
+                if "attention_kl" in metrics:
+                    results.pop("attention_kl", None)
+                else:
+                    settings |= {"context": old.get("context"), "queries": old.get("queries")}
             if (old.get("long_tokens"), old.get("prompts")) != (long_tokens, prompts):
-                results.pop("long_output", None)
-                results.pop("long_output_references", None)
+                if "long_output" in metrics:
+                    results.pop("long_output", None)
+                    results.pop("long_output_references", None)
+                else:
+                    settings |= {"long_tokens": old.get("long_tokens"), "prompts": old.get("prompts")}
         results["settings"] = settings
         for section, wanted in (("passkey", passkey_settings), ("gsm8k", gsm8k_settings)):
-            if section in results and results[section].get("settings") != wanted:
+            if section in metrics and section in results and results[section].get("settings") != wanted:
                 del results[section]
         _write_json(output, results)
     results["environment"] = _environment()

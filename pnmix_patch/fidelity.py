@@ -31,6 +31,7 @@ def teacher_force(
     prefill: int,
     reference: torch.Tensor,
     progress: bool = True,
+    per_step: bool = False,
 ) -> dict:
     """Prefill ``input_ids[:, :prefill]``, then feed the rest token by token through a PN-Mix cache.
 
@@ -40,9 +41,15 @@ def teacher_force(
         config: PN-Mix config or preset.
         prefill: tokens processed in the first (exact-attention) forward.
         reference: :func:`reference_logits` of ``input_ids``.
+        per_step: also return the per-step diagnostics (below).
     Returns:
         ``top1_agreement``, ``mean_kl``, ``perplexity`` (on tokens ``prefill+1 .. T-1``),
         ``reference_perplexity``, ``steps``, ``memory`` (the cache's memory report).
+        With ``per_step``, lists over the ``T - prefill`` decode steps (step ``j`` feeds token
+        ``prefill + j`` and predicts token ``prefill + j + 1``): ``step_kl`` (KL(full || cache)),
+        ``step_argmax`` (the cache's top-1 id), ``reference_argmax`` (full precision's top-1 id),
+        ``reference_top2`` (full precision's two most likely ``[[id, probability], ...]``) and
+        ``step_top2`` (the same under the cache).
     """
     patch_model(model, config)
     try:
@@ -62,7 +69,21 @@ def teacher_force(
     targets = input_ids[0, prefill + 1 :]
     nll = -log_q[:-1].gather(-1, targets[:, None]).mean()
     reference_nll = -log_p[:-1].gather(-1, targets[:, None]).mean()
-    return {
+    details = {}
+    if per_step:
+
+        def top2(log_probs):
+            values, ids = log_probs.exp().topk(2, dim=-1)
+            return [[[int(i), float(v)] for i, v in zip(row_ids, row_values)] for row_ids, row_values in zip(ids, values)]
+
+        details = {
+            "step_kl": kl.tolist(),
+            "step_argmax": quantized.argmax(-1).tolist(),
+            "reference_argmax": full.argmax(-1).tolist(),
+            "reference_top2": top2(log_p),
+            "step_top2": top2(log_q),
+        }
+    return details | {
         "top1_agreement": (quantized.argmax(-1) == full.argmax(-1)).float().mean().item(),
         "mean_kl": kl.mean().item(),
         "perplexity": math.exp(nll.item()),

@@ -35,6 +35,7 @@ from pnmix_patch.evaluation import (
     sweep_config,
     wilson_interval,
 )
+from pnmix_patch.fidelity import reference_logits, teacher_force
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,23 @@ def test_long_output_fidelity_aggregates_prompts_and_is_exact_unquantized():
     weighted = sum(r["mean_kl"] * r["steps"] for r in quantized["per_prompt"].values()) / 360
     assert quantized["mean_kl"] == pytest.approx(weighted) and quantized["mean_kl"] > 0
     assert quantized["key_bits"] == pytest.approx(2.25, abs=0.01)
+
+
+def test_teacher_force_per_step_diagnostics_match_the_aggregates():
+    model = tiny_model("qwen2")
+    ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(2))
+    reference = reference_logits(model, ids)
+    exact = teacher_force(model, ids, PRESETS["fp16"], 100, reference, progress=False, per_step=True)
+    assert len(exact["step_kl"]) == len(exact["step_argmax"]) == len(exact["reference_top2"]) == exact["steps"] == 200
+    assert max(exact["step_kl"]) == pytest.approx(0.0, abs=1e-6)
+    assert exact["step_argmax"] == exact["reference_argmax"] == reference[0, 100:].argmax(-1).tolist()
+    assert exact["step_top2"][0][0][0] == exact["reference_top2"][0][0][0]
+    assert exact["reference_top2"][0][0][1] >= exact["reference_top2"][0][1][1]
+    quantized = teacher_force(model, ids, PRESETS["pnmix-1"], 100, reference, progress=False, per_step=True)
+    assert sum(quantized["step_kl"]) / 200 == pytest.approx(quantized["mean_kl"]) and quantized["mean_kl"] > 0
+    agree = sum(a == b for a, b in zip(quantized["step_argmax"], quantized["reference_argmax"])) / 200
+    assert agree == pytest.approx(quantized["top1_agreement"])
+    assert "step_kl" not in teacher_force(model, ids, PRESETS["kivi-2"], 100, reference, progress=False)
 
 
 @pytest.mark.parametrize("method", SWEEP_METHODS)
@@ -306,6 +324,28 @@ def test_run_evaluation_passkey_writes_accuracy_intervals_and_paired_flips(tmp_p
     assert "400 tokens: accuracy [95% CI]" in table and "| pnmix-1 | 2.25" in table
     plots = {p.name: p for p in plot_results(results, tmp_path, "eval_tiny")}
     assert plots["eval_tiny_passkey.png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_run_evaluation_keeps_the_sections_of_metrics_it_does_not_run(tmp_path):
+    output = tmp_path / "eval_tiny.json"
+    settings = {"model": "tiny", "context": 2048, "queries": 64, "long_tokens": 1024, "prompts": 2}
+    gsm8k = {"settings": {"task": "gsm8k_local_8shot", "limit": 30, "max_gen_toks": 256, "batch_size": 8}, "methods": {"fp16": {}}}
+    passkey = {"settings": {"seed": 1}, "lengths": {"400": {}}}
+    output.write_text(json.dumps({
+        "settings": settings, "gsm8k": gsm8k, "passkey": passkey, "long_output": {"kivi-2": {"mean_kl": 0.1}},
+        "long_output_references": {"a": {"ids": [1, 2, 3, 4, 5], "prompt_length": 1}}, "attention_kl": {"kivi-2": {"mean_kl": 0.3}},
+    }))  # fmt: skip
+    # default GSM8K limit (50), passkey seed (0), other long-output and attention sizes: none of those metrics runs
+    results = run_evaluation(None, None, "tiny", ["attention_kl"], [], output, context=300, long_tokens=64, progress=False)
+    on_disk = json.loads(output.read_text())
+    for data in (results, on_disk):
+        assert data["gsm8k"] == gsm8k and data["passkey"] == passkey
+        assert data["long_output"] == {"kivi-2": {"mean_kl": 0.1}} and "long_output_references" in data
+        assert data["settings"]["long_tokens"] == 1024 and data["settings"]["context"] == 300
+        assert "attention_kl" not in data  # the metric that is run with a changed context starts again
+    results = run_evaluation(None, None, "tiny", ["gsm8k", "long_output"], [], output, long_tokens=64, progress=False)
+    assert "gsm8k" not in results and "long_output" not in results and results["passkey"] == passkey
+    assert results["settings"]["long_tokens"] == 64
 
 
 def test_eval_quick_command_on_the_real_model(tmp_path, capsys):
