@@ -37,15 +37,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from bench_attention import HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS  # the shape and presets bench_attention times
+
 from pnmix_patch import PNMixConfig
 from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, _decode_split_kernel
 
-PRESETS = {
-    "pnmix-1": PNMixConfig(name="pnmix-1"),
-    "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64, name="pnmix-2"),
-    "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2, name="kivi-2"),
-}
-RATIO, HEAD_DIM, NUM_WARPS, NUM_STAGES = 4, 128, 4, 3
+RATIO, NUM_WARPS, NUM_STAGES = Q_HEADS // KV_HEADS, 4, 3
 POINTER_TYPES = {
     "order_ptr": "*i64", "sink_len_ptr": "*i32", "kc_high_ptr": "*i32", "kc_low_ptr": "*i32", "vc_ptr": "*i32",
     "num_groups_ptr": "*i32", "res_len_ptr": "*i32", "m_out_ptr": "*fp32", "l_out_ptr": "*fp32", "acc_out_ptr": "*fp32",
