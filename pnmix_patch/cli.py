@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--context", type=int, default=2048, help="attention KL: tokens prefilled (default 2048)")
     eval_parser.add_argument("--queries", type=int, default=64, help="attention KL: decode queries after the context (default 64)")
     eval_parser.add_argument("--long-tokens", type=int, default=1024, help="long outputs: generated tokens per prompt (default 1024)")
-    eval_parser.add_argument("--prompts", type=int, default=2, help="long outputs: how many of the built-in prompts (default 2)")
+    eval_parser.add_argument("--prompts", type=int, default=2, help="long outputs: how many of the built-in prompts (default 2; a changed count keeps the prompts measured and runs only the missing ones)")
     eval_parser.add_argument(
         "--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey: prompt tokens (default 1024 2048 4096)"
     )

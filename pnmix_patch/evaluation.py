@@ -390,18 +390,29 @@ def distinct_ngram_fraction(ids: list[int], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
-def long_output_fidelity(model, references: dict, config: PNMixConfig, progress: bool = True) -> dict:
+def long_output_fidelity(
+    model, references: dict, config: PNMixConfig, progress: bool = True, done: dict | None = None
+) -> dict:
     """Teacher-force every reference continuation through ``config``'s cache (prompt prefilled).
 
     Returns ``mean_kl`` and ``top1_agreement`` over all scored steps of all prompts (each step
     weighs the same), ``per_prompt`` results, ``steps`` and ``key_bits`` (of the longest prompt's cache).
+    ``done`` holds per-prompt results measured before (a resumed run): those prompts are not run again.
     """
     per_prompt = {}
     for name, reference in references.items():
+        if done and name in done:
+            per_prompt[name] = done[name]
+            continue
         ids = torch.tensor([reference["ids"]])
         result = teacher_force(model, ids, config, reference["prompt_length"], reference_logits(model, ids), progress)
         per_prompt[name] = {key: value for key, value in result.items() if key != "memory"}
         per_prompt[name]["key_bits"] = result["memory"]["key_bits_per_element"] if config.quantize else 16.0
+    return aggregate_prompts(per_prompt)
+
+
+def aggregate_prompts(per_prompt: dict) -> dict:
+    """Step-weighted ``mean_kl`` and ``top1_agreement`` of per-prompt long-output results."""
     steps = sum(result["steps"] for result in per_prompt.values())
     return {
         "mean_kl": sum(r["mean_kl"] * r["steps"] for r in per_prompt.values()) / steps,
@@ -756,12 +767,16 @@ def run_evaluation(
                     results.pop("attention_kl", None)
                 else:
                     settings |= {"context": old.get("context"), "queries": old.get("queries")}
-            if (old.get("long_tokens"), old.get("prompts")) != (long_tokens, prompts):
+            # Another prompt count keeps the references and per-prompt results (a method is
+            # completed with the prompts it lacks); other continuation lengths start again.
+            if old.get("long_tokens") != long_tokens:
                 if "long_output" in metrics:
                     results.pop("long_output", None)
                     results.pop("long_output_references", None)
                 else:
                     settings |= {"long_tokens": old.get("long_tokens"), "prompts": old.get("prompts")}
+            elif "long_output" not in metrics:
+                settings["prompts"] = old.get("prompts")
         results["settings"] = settings
         for section, wanted in (("passkey", passkey_settings), ("gsm8k", gsm8k_settings)):
             if section in metrics and section in results and results[section].get("settings") != wanted:
@@ -788,17 +803,23 @@ def run_evaluation(
             save()
             done = results["attention_kl"]
         del captured
-    pending = [m for m in methods if m not in results.get("long_output", {})]
+    chosen = list(PROMPTS)[:prompts]
+    measured = results.get("long_output", {})
+    pending = [m for m in methods if list(measured.get(m, {}).get("per_prompt", {})) != chosen]
     if "long_output" in metrics and pending:
-        references = results.get("long_output_references")
-        if references is None:
-            chosen = dict(list(PROMPTS.items())[:prompts])
-            references = results["long_output_references"] = generate_reference(model, tokenizer, chosen, long_tokens, progress)
+        stored = results.setdefault("long_output_references", {})
+        missing = {name: PROMPTS[name] for name in chosen if name not in stored}
+        if missing:
+            stored.update(generate_reference(model, tokenizer, missing, long_tokens, progress))
             owned.add(("long_output_references",))
             save()
+        references = {name: results["long_output_references"][name] for name in chosen}
         for name in tqdm(pending, desc="long-output fidelity", unit="method", disable=not progress):
             started = time.perf_counter()
-            record = long_output_fidelity(model, references, METHODS[name], progress) | _method_record(name, started)
+            before = results.get("long_output", {}).get(name, {})
+            record = long_output_fidelity(model, references, METHODS[name], progress, before.get("per_prompt"))
+            record |= _method_record(name, started)
+            record["seconds"] = round(record["seconds"] + before.get("seconds", 0.0), 1)  # resumed: both runs
             results.setdefault("long_output", {})[name] = record
             owned.add(("long_output", name))
             save()
@@ -1037,19 +1058,40 @@ PRESET_OF_LINE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
 """The preset measured on each sweep line (``kivi-2`` and ``pnmix-1`` are its 2.25-bit points)."""
 
 
+def _sweep_names(method: str) -> list[str]:
+    return [f"sweep-{method}-{rate}" for rate in SWEEP_RATES] + [PRESET_OF_LINE[method]]
+
+
+def common_prompts(results: dict) -> list[str]:
+    """The long-output prompts measured for every sweep point and preset drawn (in prompt order)."""
+    measured = results.get("long_output", {})
+    drawn = [measured[name] for method in SWEEP_METHODS for name in _sweep_names(method) if name in measured]
+    return [name for name in PROMPTS if drawn and all(name in record.get("per_prompt", {}) for record in drawn)]
+
+
 def _sweep_points(results: dict, metric: str, field: str) -> dict:
-    """``{method: sorted [(key bits, value)]}`` of the sweep points and presets measured for ``metric``."""
+    """``{method: sorted [(key bits, value)]}`` of the sweep points and presets measured for ``metric``.
+
+    Long-output points are averaged over :func:`common_prompts`, so that every point of a plot
+    has seen the same prompts even when some methods were run on more of them.
+    """
     measured = results.get(metric, {})
+    prompts = common_prompts(results) if metric == "long_output" else None
     points = {}
     for method in SWEEP_METHODS:
-        names = [f"sweep-{method}-{rate}" for rate in SWEEP_RATES] + [PRESET_OF_LINE[method]]
+        names = _sweep_names(method)
         configs = {}  # one point per distinct config: a preset equal to a sweep point is not drawn twice
         for name in names:
             if name not in measured or field not in measured[name]:
                 continue
             config = {key: value for key, value in measured[name].get("config", {"name": name}).items() if key != "name"}
             identity = json.dumps(config or name, sort_keys=True, default=str)
-            configs.setdefault(identity, (measured[name]["key_bits"], measured[name][field]))
+            record = measured[name]
+            if prompts is not None and "per_prompt" in record:
+                if not prompts:
+                    continue
+                record = aggregate_prompts({prompt: record["per_prompt"][prompt] for prompt in prompts})
+            configs.setdefault(identity, (record["key_bits"], record[field]))
         if configs:
             points[method] = sorted(configs.values())
     return points
@@ -1059,7 +1101,8 @@ def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     for method, line in _sweep_points(results, metric, field).items():
         axis.plot([bits for bits, _ in line], [value for _, value in line], marker="o", label=SWEEP_LABELS[method])
     axis.set_xlabel("key bits per element (measured from storage)")
-    axis.set_title(metric.replace("_", " "))
+    prompts = len(common_prompts(results)) if metric == "long_output" else 0
+    axis.set_title(metric.replace("_", " ") + (f" ({prompts} prompts)" if prompts else ""))
     axis.grid(True, alpha=0.3)
     axis.legend(loc="best", fontsize=8)
 
@@ -1075,8 +1118,8 @@ def summary_table(results: dict) -> str:
     """A markdown table of every measured method: key bits, attention KL, long-output KL and top-1."""
     kl, long = results.get("attention_kl", {}), results.get("long_output", {})
     lines = [
-        "| method | key bits (measured) | attention KL | long-output KL | long-output top-1 |",
-        "|---|---|---|---|---|",
+        "| method | key bits (measured) | attention KL | long-output KL | long-output top-1 | long-output prompts |",
+        "|---|---|---|---|---|---|",
     ]
     for name in dict.fromkeys([*kl, *long]):
         bits = (kl.get(name) or long.get(name))["key_bits"]
@@ -1084,6 +1127,7 @@ def summary_table(results: dict) -> str:
             f"{kl[name]['mean_kl']:.4g}" if name in kl else "-",
             f"{long[name]['mean_kl']:.4g}" if name in long else "-",
             f"{long[name]['top1_agreement']:.3f}" if name in long else "-",
+            str(len(long[name].get("per_prompt", {}))) if name in long else "-",
         ]
         lines.append(f"| {name} | {_bits_text(bits)} | " + " | ".join(cells) + " |")
     tables = ["\n".join(lines)] if len(lines) > 2 else []

@@ -87,6 +87,53 @@ def test_long_output_fidelity_aggregates_prompts_and_is_exact_unquantized():
     assert quantized["key_bits"] == pytest.approx(2.25, abs=0.01)
 
 
+def test_long_output_fidelity_resumes_measured_prompts():
+    model = tiny_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    references = {name: {"ids": torch.randint(0, 96, (200,), generator=gen).tolist(), "prompt_length": 40} for name in "ab"}
+    full = long_output_fidelity(model, references, PRESETS["kivi-2"], progress=False)
+    resumed = long_output_fidelity(model, references, PRESETS["kivi-2"], progress=False, done={"a": full["per_prompt"]["a"]})
+    assert resumed == full
+    # a prompt found in ``done`` is taken as measured, not run again
+    fake = {"mean_kl": 1.0, "top1_agreement": 0.0, "steps": 160, "key_bits": 2.25}
+    mixed = long_output_fidelity(model, references, PRESETS["kivi-2"], progress=False, done={"a": fake, "z": fake})
+    assert mixed["per_prompt"] == {"a": fake, "b": full["per_prompt"]["b"]}
+    assert mixed["mean_kl"] == pytest.approx((1.0 + full["per_prompt"]["b"]["mean_kl"]) / 2)
+
+
+def test_run_evaluation_adds_prompts_without_measuring_the_old_ones_again(tmp_path, monkeypatch):
+    from pnmix_patch import evaluation
+
+    model = tiny_model("llama")
+    generated, forced = [], []
+
+    def fake_reference(model, tokenizer, prompts, tokens, progress=True):
+        generated.extend(prompts)
+        gen = torch.Generator().manual_seed(len(generated))
+        return {name: {"ids": torch.randint(0, 96, (40 + tokens,), generator=gen).tolist(), "prompt_length": 40} for name in prompts}
+
+    def counting_teacher_force(model, ids, config, prompt_length, *args, **kwargs):
+        forced.append(ids.shape[1])
+        return teacher_force(model, ids, config, prompt_length, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "generate_reference", fake_reference)
+    monkeypatch.setattr(evaluation, "teacher_force", counting_teacher_force)
+    output = tmp_path / "eval_tiny.json"
+    first_two = list(evaluation.PROMPTS)[:2]
+    run_evaluation(model, None, "tiny", ["long_output"], ["kivi-2"], output, long_tokens=160, prompts=1, progress=False)
+    assert generated == first_two[:1] and len(forced) == 1
+    results = run_evaluation(model, None, "tiny", ["long_output"], ["kivi-2", "pnmix-1"], output, long_tokens=160, prompts=2, progress=False)
+    assert generated == first_two and len(forced) == 1 + 1 + 2  # kivi-2: the new prompt only; pnmix-1: both
+    assert results["settings"]["prompts"] == 2 and list(results["long_output_references"]) == first_two
+    for name in ("kivi-2", "pnmix-1"):
+        record = json.loads(output.read_text())["long_output"][name]
+        assert list(record["per_prompt"]) == first_two and record["steps"] == 320
+    # back to one prompt: the records are re-aggregated from what was measured, nothing is run
+    results = run_evaluation(model, None, "tiny", ["long_output"], ["kivi-2"], output, long_tokens=160, prompts=1, progress=False)
+    assert len(forced) == 4 and results["long_output"]["kivi-2"]["steps"] == 160
+    assert list(results["long_output"]["pnmix-1"]["per_prompt"]) == first_two  # not run: kept as measured
+
+
 def test_teacher_force_per_step_diagnostics_match_the_aggregates():
     model = tiny_model("qwen2")
     ids = torch.randint(0, 96, (1, 300), generator=torch.Generator().manual_seed(2))
@@ -158,9 +205,23 @@ def test_plot_results_writes_the_pareto_and_criteria_pngs(tmp_path):
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_long_output_points_average_the_prompts_every_point_has():
+    from pnmix_patch.evaluation import PROMPTS, _sweep_points, common_prompts
+
+    first, second = list(PROMPTS)[:2]
+    prompt = {"steps": 100, "key_bits": 2.25}
+    results = {"long_output": {
+        "kivi-2": {"key_bits": 2.25, "mean_kl": 9.0, "per_prompt": {first: prompt | {"mean_kl": 0.2, "top1_agreement": 0.9},
+                                                                    second: prompt | {"mean_kl": 0.4, "top1_agreement": 0.7}}},
+        "sweep-kivi-2.0": {"key_bits": 2.0, "mean_kl": 0.5, "per_prompt": {first: prompt | {"mean_kl": 0.5, "top1_agreement": 0.8, "key_bits": 2.0}}},
+    }}  # fmt: skip
+    assert common_prompts(results) == [first]
+    assert _sweep_points(results, "long_output", "mean_kl") == {"kivi": [(2.0, 0.5), (2.25, 0.2)]}
+
+
 def test_summary_table_lists_every_method():
     table = summary_table(fake_results())
-    assert "| fp16 | 16 | 0 | - | - |" in table
+    assert "| fp16 | 16 | 0 | - | - | - |" in table
     assert "| sweep-pnmix-1.5 | 1.5100 |" in table
 
 
