@@ -236,7 +236,7 @@ def append_cost(device, batch: int, tokens: int) -> dict:
         zeros(batch, heads, groups, dim), zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, dtype=torch.int32),
         zeros(batch, heads, groups * config.key_group_size, 1), zeros(batch, heads, groups * config.key_group_size, 1),
-        zeros(batch, dtype=torch.int32), zeros(batch, dtype=torch.bool), True,
+        zeros(batch, dtype=torch.int32), zeros(batch, dtype=torch.bool), zeros(batch, dtype=torch.int32), True,
     ]  # fmt: skip
     residual_len, num_groups = args[8], args[16]
     result = {"batch": batch, "context": tokens}
@@ -258,9 +258,9 @@ def append_cost(device, batch: int, tokens: int) -> dict:
 
 def sweep_launch(device) -> list[dict]:
     """Split-kernel launch options (warps, pipeline stages, split count) for pnmix-1, bf16,
-    against the defaults (4 warps, 3 stages, ``_default_splits``), and the decode append's
+    against the defaults (4 warps, ``NUM_STAGES``, ``_default_splits``), and the decode append's
     cost at the same batch (:func:`append_cost`)."""
-    from pnmix_patch.kernels.decode_attention import _default_splits, triton_decode_attention
+    from pnmix_patch.kernels.decode_attention import NUM_STAGES, _default_splits, triton_decode_attention
 
     rows = []
     config = PRESETS["pnmix-1"]
@@ -278,12 +278,73 @@ def sweep_launch(device) -> list[dict]:
                     error = ((run().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
                     ms = median_ms(run)
                     rows.append({"batch": batch, "context": tokens, "num_warps": warps, "num_stages": stages,
-                                 "num_splits": splits, "default": (warps, stages, splits) == (4, 3, default),
+                                 "num_splits": splits, "default": (warps, stages, splits) == (4, NUM_STAGES, default),
                                  "ms": ms, "max_error_vs_default": error})  # fmt: skip
                     print(f"  launch B={batch:2d} T={tokens:6d} warps={warps} stages={stages} splits={splits:3d}: "
                           f"{ms * 1e3:8.1f} us  (error vs default {error:.1e})", flush=True)
         del args
         rows.append(append_cost(device, batch, tokens))
+    return rows
+
+
+def sweep_registers(device) -> list[dict]:
+    """Split-kernel register cap (``maxnreg``: more programs per multiprocessor, some spills),
+    pipeline stages and split count at 4 warps, for pnmix-1, pnmix-2 and kivi-2 (bf16), with
+    bf16 SDPA of the same shape timed in the same loop."""
+    from pnmix_patch.kernels.decode_attention import MAX_REGISTERS, NUM_STAGES, _default_splits, triton_decode_attention
+
+    rows = []
+    for batch, tokens in ((1, 4096), (1, 32768), (8, 16384), (32, 16384)):
+        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        kv = torch.randn(2, batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, kv[0], kv[1], enable_gqa=True))
+        del kv
+        rows.append({"batch": batch, "context": tokens, "kernel": "bf16 SDPA", "ms": sdpa_ms})
+        print(f"  B={batch:2d} T={tokens:6d} SDPA {sdpa_ms * 1e3:8.1f} us", flush=True)
+        for name, config in PRESETS.items():
+            args = build_cache(config, batch, tokens, torch.bfloat16, device)
+            chunks = args[5].shape[2] * args[5].shape[4]
+            default = _default_splits(args[0], batch * KV_HEADS, chunks)
+            expected = decode_attention(*args)
+            for registers in (None, 168, 128):
+                for stages in (1, 3):
+                    for splits in sorted({default, min(2 * default, chunks), min(4 * default, chunks)}):
+                        def run():
+                            return triton_decode_attention(
+                                *args, num_splits=splits, num_stages=stages, max_registers=registers
+                            )
+
+                        error = ((run().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
+                        ms = median_ms(run)
+                        rows.append({"batch": batch, "context": tokens, "kernel": name, "max_registers": registers,
+                                     "num_stages": stages, "num_splits": splits,
+                                     "default": (registers, stages, splits) == (MAX_REGISTERS, NUM_STAGES, default),
+                                     "ms": ms, "speed_vs_sdpa": sdpa_ms / ms, "max_error_vs_default": error})  # fmt: skip
+                        print(f"  B={batch:2d} T={tokens:6d} {name:8s} maxnreg={registers} stages={stages} "
+                              f"splits={splits:3d}: {ms * 1e3:8.1f} us = {sdpa_ms / ms:.2f}x SDPA "
+                              f"(error vs default {error:.1e})", flush=True)
+            del args
+    return rows
+
+
+def sweep_splits(device) -> list[dict]:
+    """Split count of the split kernel at its default launch options (pnmix-1, bf16): how the
+    number of programs, and so the number of waves over the device's program slots, sets the time."""
+    from pnmix_patch.kernels.decode_attention import _default_splits, triton_decode_attention
+
+    rows = []
+    candidates = {1: (16, 33, 48, 66, 99, 132), 8: (5, 8, 9, 12, 16, 20, 24, 33, 40, 66),
+                  32: (1, 2, 3, 4, 5, 6, 8, 12, 16), 64: (1, 2, 3, 4, 6, 8)}  # fmt: skip
+    for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
+        args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
+        default = _default_splits(args[0], batch * KV_HEADS, args[5].shape[2] * args[5].shape[4])
+        for splits in sorted({*candidates[batch], default}):
+            ms = median_ms(lambda: triton_decode_attention(*args, num_splits=splits))
+            rows.append({"batch": batch, "context": tokens, "num_splits": splits, "programs": batch * KV_HEADS * splits,
+                         "default": splits == default, "ms": ms})  # fmt: skip
+            print(f"  splits B={batch:2d} T={tokens:6d} splits={splits:3d} programs={batch * KV_HEADS * splits:5d}: "
+                  f"{ms * 1e3:8.1f} us" + ("  (default)" if splits == default else ""), flush=True)
+        del args
     return rows
 
 
@@ -293,6 +354,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--sweep-launch", action="store_true", help="only the split kernel's launch-option sweep")
     parser.add_argument("--append-only", action="store_true", help="only the decode append's cost (and its bit-exactness)")
+    parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
+    parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -307,6 +370,14 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention_append.json").write_text(json.dumps(report, indent=2))
         return
+    for flag, sweep, name in (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split")):
+        if getattr(args, flag):
+            rows = sweep(device)
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "command": f"python benchmarks/bench_attention.py --{flag.replace('_', '-')}", "rows": rows}  # fmt: skip
+            (Path(args.out) / f"bench_attention_{name}_sweep.json").write_text(json.dumps(report, indent=2))
+            return
     if args.sweep_launch:
         rows = sweep_launch(device)
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,8 @@ def check_decode_append(device) -> dict:
             randn(batch, heads, group_cap, dim, dtype=scale_dtype), randn(batch, heads, group_cap, dim, dtype=scale_dtype),
             codes(batch, heads, group_cap * group, 2, dim // 32),
             randn(batch, heads, group_cap * group, 1, dtype=scale_dtype), randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
-            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32), torch.zeros(batch, dtype=torch.bool), True,
+            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32), torch.zeros(batch, dtype=torch.bool),
+            torch.zeros(batch, dtype=torch.int32), True,
         ]  # fmt: skip
         expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         decode_append_reference(*expected)

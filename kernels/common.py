@@ -61,21 +61,6 @@ def encode(x, scale, zero, levels):
     return tl.where(y != y, 0.0, code).to(tl.int32)
 
 
-@triton.jit
-def flush_destination(b, sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, residual_cap, group_cap, per_flush):
-    """First group slot that sequence ``b``'s residual buffer is flushed into at this
-    decode step, or -1 when it is not flushed (static cache, ``kernels/decode_append.py``).
-
-    A decode token arriving at a sequence whose sinks and residual buffer are both
-    full flushes the buffer into ``per_flush`` new groups, if the storage has room.
-    """
-    sink_len = tl.load(sink_len_ptr + b)
-    residual_len = tl.load(residual_len_ptr + b)
-    num_groups = tl.load(num_groups_ptr + b)
-    flush = (sink_len >= sink_cap) & (residual_len == residual_cap) & (num_groups + per_flush <= group_cap)
-    return tl.where(flush, num_groups, -1)
-
-
 def nonempty(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a one-element stand-in when it is empty.
 

@@ -15,11 +15,16 @@ sequence ``b``, from its int32 lengths:
 This is exactly the dynamic cache's rule for one real token (flush a full buffer
 before a token joins it), so both caches hold the same codes.
 
-On CUDA three kernels run: the key and value quantizers of ``pack_keys.py`` /
-``pack_values.py`` in their in-place mode (a program whose sequence does not flush
-now does nothing), then :func:`_append_token_kernel`, one program per sequence,
-which writes the token and updates the lengths (after the quantizers have read
-them: same stream, launch order).
+On CUDA one kernel does all of it (one launch per layer and step, which matters for
+single-stream decoding, where the step is a chain of tiny kernels):
+:func:`_append_token_kernel`, one program per (sequence, KV head). Every program
+decides from the lengths; a program whose sequence must flush quantizes its own head's
+buffer with the device functions of ``pack_keys.py`` / ``pack_values.py`` (the heads
+of a sequence flush in parallel), waits for its threads (the buffer's first slot is
+overwritten next), then writes its head's token. The lengths are shared by the heads
+of a sequence, so they change only after every head has read them: each program
+counts itself in ``arrivals[b]`` (an atomic add), and the last of the sequence's
+programs to arrive writes the new lengths and sets the counter back to zero.
 """
 
 from __future__ import annotations
@@ -31,87 +36,130 @@ import triton.language as tl
 from pnmix_patch.quantize import quantize_keys, quantize_values
 
 from .common import nonempty
-from .pack_keys import launch_pack_keys
-from .pack_values import launch_pack_values
+from .pack_keys import pack_key_group
+from .pack_values import BLOCK_T, pack_value_tokens, value_layout
 
 _MUTATED = (
     "sink_keys", "sink_values", "sink_len", "residual_keys", "residual_values", "residual_len",
     "key_codes_high", "key_codes_low", "key_scale", "key_zero",
-    "value_codes", "value_scale", "value_zero", "num_groups", "overflowed",
+    "value_codes", "value_scale", "value_zero", "num_groups", "overflowed", "arrivals",
 )  # fmt: skip
 
 
 @triton.jit
 def _append_token_kernel(
-    key_ptr, value_ptr,
+    key_ptr, value_ptr, order_ptr,
     sink_k_ptr, sink_v_ptr, sink_len_ptr,
     res_k_ptr, res_v_ptr, res_len_ptr,
-    num_groups_ptr, overflow_ptr,
+    high_ptr, low_ptr, k_scale_ptr, k_zero_ptr, vc_ptr, v_scale_ptr, v_zero_ptr,
+    num_groups_ptr, overflow_ptr, arrivals_ptr,
     num_heads, sink_cap, residual_cap, group_cap, per_flush,
-    s_kb, s_kh, s_vb, s_vh,
+    s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_od,
     s_skb, s_skh, s_skt, s_svb, s_svh, s_svt,
-    s_rkb, s_rkh, s_rkt, s_rvb, s_rvh, s_rvt,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    s_rkb, s_rkh, s_rkt, s_rkd, s_rvb, s_rvh, s_rvt, s_rvd,
+    s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
+    s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
+    s_sb, s_sh, s_sg, s_sd,
+    s_cb, s_ch, s_ct, s_cp, s_cw,
+    s_vsb, s_vsh, s_vst, s_vsg,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
+    GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr, BITS: tl.constexpr,
+    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1).to(tl.int64)
     sink_len = tl.load(sink_len_ptr + b)
     residual_len = tl.load(res_len_ptr + b)
     num_groups = tl.load(num_groups_ptr + b)
     to_sink = sink_len < sink_cap
     full = (~to_sink) & (residual_len == residual_cap)
     room = num_groups + per_flush <= group_cap
-    flushed = full & room  # the quantizers have just packed the buffer
+    flushed = full & room
     overflow = full & (~room)
     to_residual = (~to_sink) & (~overflow)
     slot = tl.where(flushed, 0, residual_len).to(tl.int64)
 
-    offs_h = tl.arange(0, BLOCK_H)
+    res_k = res_k_ptr + b * s_rkb + h * s_rkh
+    res_v = res_v_ptr + b * s_rvb + h * s_rvh
+    if flushed:
+        # Quantize this head's full buffer into groups num_groups .. num_groups + per_flush.
+        for group in range(per_flush):
+            pack_key_group(
+                res_k, order_ptr + b * s_ob + h * s_oh,
+                high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
+                k_scale_ptr + b * s_sb + h * s_sh, k_zero_ptr + b * s_sb + h * s_sh,
+                group, num_groups + group, group >= 0,
+                s_rkt, s_rkd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
+                NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
+            )
+        offs_t = tl.arange(0, BLOCK_T)
+        for start in range(0, residual_cap, BLOCK_T):
+            tokens = start + offs_t
+            pack_value_tokens(
+                res_v, vc_ptr + b * s_cb + h * s_ch,
+                v_scale_ptr + b * s_vsb + h * s_vsh, v_zero_ptr + b * s_vsb + h * s_vsh,
+                tokens, tokens < residual_cap, num_groups.to(tl.int64) * G + tokens,
+                s_rvt, s_rvd, s_ct, s_cp, s_cw, s_vst, s_vsg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT,
+            )
+        tl.debug_barrier()  # every thread has read the buffer before slot 0 is overwritten
+
     offs_d = tl.arange(0, BLOCK_D)
-    mask = (offs_h < num_heads)[:, None] & (offs_d < D)[None, :]
-    key = tl.load(key_ptr + b * s_kb + offs_h[:, None] * s_kh + offs_d[None, :], mask=mask)
-    value = tl.load(value_ptr + b * s_vb + offs_h[:, None] * s_vh + offs_d[None, :], mask=mask)
-
+    mask = offs_d < D
+    key = tl.load(key_ptr + b * s_kb + h * s_kh + offs_d, mask=mask)
+    value = tl.load(value_ptr + b * s_vb + h * s_vh + offs_d, mask=mask)
     sink_slot = sink_len.to(tl.int64)
-    tl.store(sink_k_ptr + b * s_skb + offs_h[:, None] * s_skh + sink_slot * s_skt + offs_d[None, :], key, mask=mask & to_sink)
-    tl.store(sink_v_ptr + b * s_svb + offs_h[:, None] * s_svh + sink_slot * s_svt + offs_d[None, :], value, mask=mask & to_sink)
-    tl.store(res_k_ptr + b * s_rkb + offs_h[:, None] * s_rkh + slot * s_rkt + offs_d[None, :], key, mask=mask & to_residual)
-    tl.store(res_v_ptr + b * s_rvb + offs_h[:, None] * s_rvh + slot * s_rvt + offs_d[None, :], value, mask=mask & to_residual)
+    tl.store(sink_k_ptr + b * s_skb + h * s_skh + sink_slot * s_skt + offs_d, key, mask=mask & to_sink)
+    tl.store(sink_v_ptr + b * s_svb + h * s_svh + sink_slot * s_svt + offs_d, value, mask=mask & to_sink)
+    tl.store(res_k + slot * s_rkt + offs_d * s_rkd, key, mask=mask & to_residual)
+    tl.store(res_v + slot * s_rvt + offs_d * s_rvd, value, mask=mask & to_residual)
 
-    tl.store(sink_len_ptr + b, sink_len + to_sink.to(tl.int32))
-    tl.store(res_len_ptr + b, tl.where(to_residual, slot.to(tl.int32) + 1, residual_len))
-    tl.store(num_groups_ptr + b, num_groups + tl.where(flushed, per_flush, 0))
-    tl.store(overflow_ptr + b, tl.load(overflow_ptr + b) | overflow)
+    # The last program of sequence b to get here writes its lengths. The barrier orders this
+    # program's reads of the lengths (every thread's) before its arrival is counted.
+    tl.debug_barrier()
+    if tl.atomic_add(arrivals_ptr + b, 1) == num_heads - 1:
+        tl.store(sink_len_ptr + b, sink_len + to_sink.to(tl.int32))
+        tl.store(res_len_ptr + b, tl.where(to_residual, slot.to(tl.int32) + 1, residual_len))
+        tl.store(num_groups_ptr + b, num_groups + tl.where(flushed, per_flush, 0))
+        tl.store(overflow_ptr + b, tl.load(overflow_ptr + b) | overflow)
+        tl.store(arrivals_ptr + b, 0)
 
 
 def triton_decode_append(
     key, value, order, sink_keys, sink_values, sink_len,
     residual_keys, residual_values, residual_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed,
+    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals,
     midpoint_correction: bool,
 ) -> None:
-    """Launch the in-place flush (if the cache has packed storage) and the append kernel."""
+    """Launch the fused flush-and-append kernel, one program per (sequence, KV head)."""
     batch, heads, head_dim = key.shape
     sink_cap, residual_cap = sink_keys.shape[2], residual_keys.shape[2]
     group_size = 32 * key_codes_high.shape[4]
     group_cap = key_scale.shape[2]
-    if group_cap:
-        flush_state = (sink_len, residual_len, num_groups, sink_cap, group_cap, group_size)
-        launch_pack_keys(
-            residual_keys, order, key_codes_high, key_codes_low, key_scale, key_zero, midpoint_correction, flush_state
-        )
-        launch_pack_values(residual_values, value_codes, value_scale, value_zero, midpoint_correction, flush_state)
     key, value = key.contiguous(), value.contiguous()
     sinks_k, sinks_v = nonempty(sink_keys), nonempty(sink_values)
-    _append_token_kernel[(batch,)](
-        key, value, sinks_k, sinks_v, sink_len,
-        residual_keys, residual_values, residual_len,
-        num_groups, overflowed,
+    residual_k, residual_v = nonempty(residual_keys), nonempty(residual_values)
+    high, low = nonempty(key_codes_high), nonempty(key_codes_low)
+    k_scale, k_zero, v_codes = nonempty(key_scale), nonempty(key_zero), nonempty(value_codes)
+    v_scale, v_zero = nonempty(value_scale), nonempty(value_zero)
+    _append_token_kernel[(batch, heads)](
+        key, value, order, sinks_k, sinks_v, sink_len,
+        residual_k, residual_v, residual_len,
+        high, low, k_scale, k_zero, v_codes, v_scale, v_zero,
+        num_groups, overflowed, arrivals,
         heads, sink_cap, residual_cap, group_cap, residual_cap // group_size,
-        *key.stride()[:2], *value.stride()[:2],
-        *sinks_k.stride()[:3], *sinks_v.stride()[:3],
-        *residual_keys.stride()[:3], *residual_values.stride()[:3],
-        D=head_dim, BLOCK_H=triton.next_power_of_2(heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        *key.stride()[:2], *value.stride()[:2], *order.stride(),
+        *sink_keys.stride()[:3], *sink_values.stride()[:3],
+        *residual_keys.stride(), *residual_values.stride(),
+        *key_codes_high.stride(), *key_codes_low.stride(), *key_scale.stride(), *value_codes.stride(),
+        *value_scale.stride(),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        NUM_HIGH=key_codes_high.shape[-1], G=group_size,
+        BITS_HIGH=key_codes_high.shape[3], BITS_LOW=key_codes_low.shape[3],
+        **value_layout(head_dim, value_scale.shape[-1], value_codes.shape[3]),  # D, GV, ...
+        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
+        enable_fp_fusion=False,  # the quantizers' codes must match torch (kernels/common.py)
     )  # fmt: skip
 
 
@@ -119,10 +167,11 @@ def decode_append_reference(
     key, value, order, sink_keys, sink_values, sink_len,
     residual_keys, residual_values, residual_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed,
+    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals,
     midpoint_correction: bool,
 ) -> None:
-    """PyTorch reference of the three steps in the module docstring, sequence by sequence."""
+    """PyTorch reference of the three steps in the module docstring, sequence by sequence.
+    ``arrivals`` (the CUDA kernel's counter, zero between steps) is not used."""
     sink_cap, residual_cap = sink_keys.shape[2], residual_keys.shape[2]
     num_high, group_size = key_codes_high.shape[-1], 32 * key_codes_high.shape[4]
     per_flush = residual_cap // group_size
@@ -176,12 +225,15 @@ def decode_append(
     value_zero: torch.Tensor,
     num_groups: torch.Tensor,
     overflowed: torch.Tensor,
+    arrivals: torch.Tensor,
     midpoint_correction: bool,
 ) -> None:
     """Append one token per sequence (``key/value [B, H, D]``) to a static PN-Mix cache, in place.
 
     ``order`` int64 ``[B, H, D]`` is the stored channel order; the other tensors are
-    the static layer's storage (``pnmix_patch.static_cache``), ``overflowed`` bool ``[B]``.
+    the static layer's storage (``pnmix_patch.static_cache``), ``overflowed`` bool ``[B]``;
+    ``arrivals`` int32 ``[B]``, zero between calls, is the CUDA kernel's count of the heads
+    done with a sequence (module docstring).
     The layout (bits, group size, capacities) is read from the shapes. This default
     implementation is :func:`decode_append_reference`; CUDA runs Triton.
     """
@@ -189,7 +241,7 @@ def decode_append(
         key, value, order, sink_keys, sink_values, sink_len,
         residual_keys, residual_values, residual_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups, overflowed, midpoint_correction,
+        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
     )  # fmt: skip
 
 
@@ -198,13 +250,13 @@ def _decode_append_cuda(
     key, value, order, sink_keys, sink_values, sink_len,
     residual_keys, residual_values, residual_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed, midpoint_correction,
+    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
 ):
     triton_decode_append(
         key, value, order, sink_keys, sink_values, sink_len,
         residual_keys, residual_values, residual_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups, overflowed, midpoint_correction,
+        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
     )  # fmt: skip
 
 

@@ -246,10 +246,30 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+PROGRAMS_PER_MULTIPROCESSOR = 4
+"""Split programs resident per multiprocessor: 4 warps each, at most 128 registers per thread
+(``MAX_REGISTERS``; uncapped, Triton takes 255 and only two fit). Measured on an H200
+(``bench_attention.py --sweep-registers``): 1.08-1.31x faster than two uncapped programs with
+three pipeline stages, for every preset at batch 1, 8 and 32."""
+MAX_REGISTERS = 128
+NUM_STAGES = 1
+MIN_WAVE_FILL = 0.95
+"""Least fraction of the program slots of all waves that the split programs keep busy: a last
+wave that is barely started costs almost a whole wave (``--sweep-splits``: at batch 8, 576
+programs on 528 slots took 408 µs, 512 programs 305 µs)."""
+
+
 def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> int:
-    """Enough splits for about two programs per multiprocessor, at most one per chunk."""
-    target = 2 * _multiprocessors(query.device.index) if query.is_cuda else 2
-    return max(1, min(triton.cdiv(target, kv_programs), max_chunks, 64))
+    """The fewest splits whose programs fill every program slot of the device (``slots`` =
+    ``PROGRAMS_PER_MULTIPROCESSOR`` per multiprocessor) in waves at least ``MIN_WAVE_FILL``
+    full; at most one per chunk and 128."""
+    limit = max(1, min(max_chunks, 128))
+    slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(query.device.index) if query.is_cuda else 2
+    for splits in range(1, limit + 1):
+        programs = kv_programs * splits
+        if programs >= slots and programs >= MIN_WAVE_FILL * slots * math.ceil(programs / slots):
+            return splits
+    return limit
 
 
 def _kernel_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -269,12 +289,13 @@ def triton_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    num_warps: int = 4, num_stages: int = NUM_STAGES, max_registers: int | None = MAX_REGISTERS,
 ) -> torch.Tensor:
     """Launch the split and combine kernels; arguments as :func:`decode_attention`.
 
     ``num_splits`` overrides the split count (tests use it to exercise the merge);
-    ``num_warps`` and ``num_stages`` are the split kernel's launch options (benchmarks sweep them).
+    ``num_warps``, ``num_stages`` and ``max_registers`` (per thread, Triton's ``maxnreg``;
+    ``None``: the compiler's choice) are the split kernel's launch options (benchmarks sweep them).
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
@@ -315,7 +336,7 @@ def triton_decode_attention(
         BITS_V=value_codes.shape[3], GV=value_group,
         BLOCK_N_DENSE=BLOCK_N_DENSE,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     _decode_combine_kernel[(batch * q_heads,)](
         m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),

@@ -17,9 +17,9 @@ Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H, G/32, C_hi]``,
 ``codes_low [B, H, groups, b_L, G/32, C_lo]``, ``scale/zero [B, H, groups, D]``.
 Limits: ``G`` a multiple of 32, bits <= 8 (any ``D``).
 
-The same kernel also flushes the static cache's residual buffer in place
-(:func:`launch_pack_keys` with ``flush_state``): each program then decides on the
-device whether its sequence flushes now and where its groups go.
+The per-group work is the device function :func:`pack_key_group`, which the static
+cache's fused decode append (``decode_append.py``) also calls to flush its residual
+buffer in place.
 """
 
 from __future__ import annotations
@@ -30,47 +30,27 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, scale_dtype_for
 
-from .common import encode, flush_destination, minmax_scale_zero, nonempty
+from .common import encode, minmax_scale_zero, nonempty
 
 
 @triton.jit
-def _pack_keys_kernel(
-    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr,
-    num_heads,
-    sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, group_cap,
-    s_kb, s_kh, s_kt, s_kd,
-    s_ob, s_oh, s_od,
-    s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
-    s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
-    s_sb, s_sh, s_sg, s_sd,
+def pack_key_group(
+    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr, group, group_out, active,
+    s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
     NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
-    BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr, IN_PLACE: tl.constexpr,
+    BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    group = tl.program_id(1).to(tl.int64)
-    b = (pid_bh // num_heads).to(tl.int64)
-    h = (pid_bh % num_heads).to(tl.int64)
-    if IN_PLACE:
-        # keys = the residual buffer; output group = the sequence's next free slot, or nothing.
-        dest = flush_destination(
-            b, sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, tl.num_programs(1) * G, group_cap,
-            tl.num_programs(1),
-        )
-        active = dest >= 0
-        group_out = tl.maximum(dest, 0).to(tl.int64) + group
-    else:
-        active = group >= 0
-        group_out = group
+    """Quantize token group ``group`` of one (sequence, KV head) into group slot
+    ``group_out`` (nothing when ``active`` is false). The pointers are that head's bases."""
     words = tl.where(active, G // 32, 0)
-
     offs_d = tl.arange(0, BLOCK_D)  # stored channel index
     d_mask = offs_d < D
     is_high = offs_d < NUM_HIGH
     offs_t = tl.arange(0, 32)  # token within a 32-token word
 
     # Stored channel c reads original channel order[c].
-    order = tl.load(order_ptr + b * s_ob + h * s_oh + offs_d * s_od, mask=d_mask, other=0)
-    row_ptrs = keys_ptr + b * s_kb + h * s_kh + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
+    order = tl.load(order_ptr + offs_d * s_od, mask=d_mask, other=0)
+    row_ptrs = keys_ptr + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
 
     # Pass 1: per-channel statistics over the group.
     low = tl.full([BLOCK_D], float("inf"), tl.float32)
@@ -84,7 +64,7 @@ def _pack_keys_kernel(
 
     levels = tl.where(is_high, 2**BITS_HIGH - 1, 2**BITS_LOW - 1).to(tl.float32)
     scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
-    param_offs = b * s_sb + h * s_sh + group_out * s_sg + offs_d * s_sd
+    param_offs = group_out * s_sg + offs_d * s_sd
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
     tl.store(scale_ptr + param_offs, scale, mask=d_mask & active)
@@ -93,8 +73,8 @@ def _pack_keys_kernel(
     zero = zero.to(tl.float32)
 
     # Pass 2: encode and pack one 32-token word per channel and bit plane.
-    high_base = high_ptr + b * s_hb + h * s_hh + group_out * s_hg + offs_d * s_hc
-    low_base = low_ptr + b * s_lb + h * s_lh + group_out * s_lg + (offs_d - NUM_HIGH) * s_lc
+    high_base = high_ptr + group_out * s_hg + offs_d * s_hc
+    low_base = low_ptr + group_out * s_lg + (offs_d - NUM_HIGH) * s_lc
     high_mask = is_high
     low_mask = (offs_d >= NUM_HIGH) & d_mask
     for w in range(words):
@@ -107,6 +87,31 @@ def _pack_keys_kernel(
                 tl.store(high_base + p * s_hp + w * s_hw, word, mask=high_mask)
             if p < BITS_LOW:
                 tl.store(low_base + p * s_lp + w * s_lw, word, mask=low_mask)
+
+
+@triton.jit
+def _pack_keys_kernel(
+    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr,
+    num_heads,
+    s_kb, s_kh, s_kt, s_kd,
+    s_ob, s_oh, s_od,
+    s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
+    s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
+    s_sb, s_sh, s_sg, s_sd,
+    NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
+    BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    group = tl.program_id(1).to(tl.int64)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    pack_key_group(
+        keys_ptr + b * s_kb + h * s_kh, order_ptr + b * s_ob + h * s_oh,
+        high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
+        scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh, group, group, group >= 0,
+        s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
+        NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
+    )
 
 
 def triton_pack_keys(
@@ -133,26 +138,16 @@ def triton_pack_keys(
     return codes_high, codes_low, scale, zero
 
 
-def launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_correction, flush_state=None) -> None:
-    """Run the kernel over every group of ``keys`` into the given outputs.
-
-    ``flush_state = (sink_len, residual_len, num_groups, sink_capacity, group_capacity,
-    group_size)`` switches to the static cache's in-place flush: ``keys`` is the residual
-    buffer, the outputs are the cache's packed storage, and only sequences whose buffer
-    is flushed now (``flush_destination``) are written, at their next free groups.
-    Layout parameters are read from the shapes.
-    """
+def launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_correction) -> None:
+    """Run the kernel over every group of ``keys`` into the given outputs (layout from the shapes)."""
     batch, heads, tokens, head_dim = keys.shape
     group_size = 32 * codes_high.shape[4]
-    in_place = flush_state is not None
-    sink_len, residual_len, num_groups, sink_cap, _, _ = flush_state if in_place else (keys, keys, keys, 0, 0, 0)
     _pack_keys_kernel[(batch * heads, tokens // group_size)](
         keys, order, nonempty(codes_high), nonempty(codes_low), scale, zero,
         heads,
-        sink_len, residual_len, num_groups, sink_cap, scale.shape[2],
         *keys.stride(), *order.stride(), *codes_high.stride(), *codes_low.stride(), *scale.stride(),
         NUM_HIGH=codes_high.shape[-1], D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), G=group_size,
-        BITS_HIGH=codes_high.shape[3], BITS_LOW=codes_low.shape[3], MIDPOINT=midpoint_correction, IN_PLACE=in_place,
+        BITS_HIGH=codes_high.shape[3], BITS_LOW=codes_low.shape[3], MIDPOINT=midpoint_correction,
         enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
     )
 

@@ -10,8 +10,8 @@ channels: bit ``c % 32`` of word ``c // 32`` of plane ``p`` is bit ``p`` of chan
 ``c``'s code, i.e. ``codes [B, H, T, b_V, D/32]``; ``scale/zero [B, H, T, D/Gv]``.
 Limits: ``D`` a multiple of 32, ``Gv`` dividing ``D``, bits <= 8.
 
-The same kernel also flushes the static cache's residual buffer in place
-(:func:`launch_pack_values` with ``flush_state``), like the key kernel.
+The per-token work is the device function :func:`pack_value_tokens`, which the
+static cache's fused decode append (``decode_append.py``) also calls.
 """
 
 from __future__ import annotations
@@ -22,38 +22,20 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_values, scale_dtype_for
 
-from .common import encode, flush_destination, minmax_scale_zero
+from .common import encode, minmax_scale_zero
 
 BLOCK_T = 16
 
 
 @triton.jit
-def _pack_values_kernel(
-    values_ptr, codes_ptr, scale_ptr, zero_ptr,
-    num_heads, num_tokens,
-    sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, group_cap, group_tokens,
-    s_vb, s_vh, s_vt, s_vd,
-    s_cb, s_ch, s_ct, s_cp, s_cw,
-    s_sb, s_sh, s_st, s_sg,
+def pack_value_tokens(
+    values_ptr, codes_ptr, scale_ptr, zero_ptr, offs_t, t_mask, offs_out,
+    s_vt, s_vd, s_ct, s_cp, s_cw, s_st, s_sg,
     D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
-    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, IN_PLACE: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    b = (pid_bh // num_heads).to(tl.int64)
-    h = (pid_bh % num_heads).to(tl.int64)
-    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < num_tokens
-    if IN_PLACE:
-        # values = the residual buffer; its tokens go after the sequence's last group, or nowhere.
-        per_flush = num_tokens // group_tokens
-        dest = flush_destination(
-            b, sink_len_ptr, residual_len_ptr, num_groups_ptr, sink_cap, num_tokens, group_cap, per_flush
-        )
-        t_mask = t_mask & (dest >= 0)
-        offs_out = tl.maximum(dest, 0).to(tl.int64) * group_tokens + offs_t
-    else:
-        offs_out = offs_t
-
+    """Quantize the tokens ``offs_t`` (where ``t_mask``) of one (sequence, KV head) into
+    the token slots ``offs_out``. The pointers are that head's bases."""
     # Channel c = group * GV + i as a [NG_PAD, GV_PAD] tile.
     offs_g = tl.arange(0, NG_PAD)
     offs_i = tl.arange(0, GV_PAD)
@@ -61,7 +43,7 @@ def _pack_values_kernel(
     c_mask = (offs_g[:, None] < D // GV) & (offs_i[None, :] < GV)
     mask = t_mask[:, None, None] & c_mask[None, :, :]
 
-    x_ptrs = values_ptr + b * s_vb + h * s_vh + offs_t[:, None, None] * s_vt + channel[None, :, :] * s_vd
+    x_ptrs = values_ptr + offs_t[:, None, None] * s_vt + channel[None, :, :] * s_vd
     x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
     low = tl.min(tl.where(mask, x, float("inf")), 2)
     high = tl.max(tl.where(mask, x, float("-inf")), 2)
@@ -69,7 +51,7 @@ def _pack_values_kernel(
     levels = 2.0**BITS - 1.0
     scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
 
-    param_offs = b * s_sb + h * s_sh + offs_out[:, None] * s_st + offs_g[None, :] * s_sg
+    param_offs = offs_out[:, None] * s_st + offs_g[None, :] * s_sg
     param_mask = t_mask[:, None] & (offs_g[None, :] < D // GV)
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
@@ -77,7 +59,7 @@ def _pack_values_kernel(
     tl.store(zero_ptr + param_offs, zero, mask=param_mask)
 
     codes = encode(x, scale.to(tl.float32)[:, :, None], zero.to(tl.float32)[:, :, None], levels)
-    codes_base = codes_ptr + b * s_cb + h * s_ch + offs_out * s_ct
+    codes_base = codes_ptr + offs_out * s_ct
     shift = channel % 32
     for w in tl.static_range(D // 32):
         in_word = ((channel // 32) == w) & c_mask
@@ -86,6 +68,28 @@ def _pack_values_kernel(
             bits = tl.where(in_word[None, :, :], ((codes >> p) & 1) << shift[None, :, :], 0)
             word = tl.sum(tl.sum(bits, 2), 1)
             tl.store(codes_base + p * s_cp + w * s_cw, word, mask=t_mask)
+
+
+@triton.jit
+def _pack_values_kernel(
+    values_ptr, codes_ptr, scale_ptr, zero_ptr,
+    num_heads, num_tokens,
+    s_vb, s_vh, s_vt, s_vd,
+    s_cb, s_ch, s_ct, s_cp, s_cw,
+    s_sb, s_sh, s_st, s_sg,
+    D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_bh = tl.program_id(0)
+    b = (pid_bh // num_heads).to(tl.int64)
+    h = (pid_bh % num_heads).to(tl.int64)
+    offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pack_value_tokens(
+        values_ptr + b * s_vb + h * s_vh, codes_ptr + b * s_cb + h * s_ch,
+        scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh,
+        offs_t, offs_t < num_tokens, offs_t,
+        s_vt, s_vd, s_ct, s_cp, s_cw, s_st, s_sg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT,
+    )
 
 
 def triton_pack_values(
@@ -104,25 +108,25 @@ def triton_pack_values(
     return codes, scale, zero
 
 
-def launch_pack_values(values, codes, scale, zero, midpoint_correction, flush_state=None) -> None:
-    """Run the kernel over every token of ``values`` into the given outputs.
-
-    ``flush_state`` switches to the static cache's in-place flush, as in
-    :func:`~pnmix_patch.kernels.pack_keys.launch_pack_keys`.
-    """
+def launch_pack_values(values, codes, scale, zero, midpoint_correction) -> None:
+    """Run the kernel over every token of ``values`` into the given outputs."""
     batch, heads, tokens, head_dim = values.shape
     channel_groups = scale.shape[-1]
-    in_place = flush_state is not None
-    state = flush_state if in_place else (values, values, values, 0, 0, 1)  # unread stand-ins
     _pack_values_kernel[(batch * heads, triton.cdiv(tokens, BLOCK_T))](
         values, codes, scale, zero,
         heads, tokens,
-        *state,
         *values.stride(), *codes.stride(), *scale.stride(),
-        D=head_dim, GV=head_dim // channel_groups,
-        NG_PAD=triton.next_power_of_2(channel_groups), GV_PAD=triton.next_power_of_2(head_dim // channel_groups),
-        BITS=codes.shape[3], MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, IN_PLACE=in_place,
+        **value_layout(head_dim, channel_groups, codes.shape[3]), MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
         enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
+    )
+
+
+def value_layout(head_dim: int, channel_groups: int, bits: int) -> dict:
+    """The layout constants of :func:`pack_value_tokens`."""
+    group = head_dim // channel_groups
+    return dict(
+        D=head_dim, GV=group, NG_PAD=triton.next_power_of_2(channel_groups), GV_PAD=triton.next_power_of_2(group),
+        BITS=bits,
     )
 
 

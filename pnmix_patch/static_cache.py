@@ -9,8 +9,9 @@ preallocated for ``max_cache_len`` positions when the first chunk arrives:
   residual of ``L - N_s`` slots instead and no groups;
 - the stored channel order (``order``, int64 ``[B, H, D]``), computed once after
   the pairs are selected rather than at every step;
-- per-sequence int32 lengths, an ``overflowed`` flag, and the position count
-  ``cumulative_length`` as device tensors.
+- per-sequence int32 lengths, an ``overflowed`` flag, the decode append's per-sequence
+  counter (``arrivals``, zero between steps), and the position count ``cumulative_length``
+  as device tensors.
 
 Every tensor is marked as a static address for ``torch.compile`` and is only ever
 written in place, so CUDA graphs replay on the same memory.
@@ -39,7 +40,7 @@ from .kernels.decode_append import decode_append
 from .kernels.decode_attention import decode_attention
 from .quantize import channel_order
 
-_STATIC_STATE = (*_STATE, "order", "overflowed")
+_STATIC_STATE = (*_STATE, "order", "overflowed", "arrivals")
 
 
 class PNMixStaticLayer(PNMixLayer):
@@ -82,6 +83,7 @@ class PNMixStaticLayer(PNMixLayer):
             self.residual_values = torch.zeros_like(self.residual_keys)
         self.order = channel_order(self.channel_mask)
         self.overflowed = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
+        self.arrivals = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)  # decode_append's counter
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
         if not torch.compiler.is_compiling():
@@ -153,7 +155,7 @@ class PNMixStaticLayer(PNMixLayer):
             self.sink_keys, self.sink_values, self.sink_len,
             self.residual_keys, self.residual_values, self.residual_len,
             self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
-            self.value_codes, self.value_scale, self.value_zero, self.num_groups, self.overflowed,
+            self.value_codes, self.value_scale, self.value_zero, self.num_groups, self.overflowed, self.arrivals,
             self.config.midpoint_correction,
         )  # fmt: skip
         self.cumulative_length.add_(1)
@@ -173,7 +175,7 @@ class PNMixStaticLayer(PNMixLayer):
                 return tensor.numel() * tensor.element_size()
 
             parts["masks"] += size(self.order)
-            parts["lengths"] += size(self.overflowed) + size(self.cumulative_length)
+            parts["lengths"] += size(self.overflowed) + size(self.arrivals) + size(self.cumulative_length)
         return parts
 
 

@@ -40,6 +40,7 @@ def static_state(generator, layout, head_dim, dtype, sink_len, residual_len, num
         randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype), randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype),
         torch.tensor(num_groups, dtype=torch.int32),
         torch.tensor([False, True] + [False] * (batch - 2)),  # overflowed: a set flag stays set
+        torch.zeros(batch, dtype=torch.int32),  # arrivals: zero before and after a step
         True,
     ]  # fmt: skip
 
