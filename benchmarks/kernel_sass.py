@@ -4,10 +4,11 @@
 
 Compiles ``_decode_split_kernel`` (``kernels/decode_attention.py``) for ``sm_90`` with the
 Qwen3-8B head shape (4 query heads per KV head, head dim 128), bf16 and its default launch
-options (4 warps, 3 stages), exactly as Triton would on the GPU, then reads the machine code
+options (4 warps, ``NUM_STAGES`` stages, at most ``MAX_REGISTERS`` registers per thread), exactly
+as Triton would on the GPU, then reads the machine code
 with the ``cuobjdump`` that ships with Triton:
 
-- registers per thread (at most 255; 255 means two 4-warp programs per multiprocessor);
+- registers per thread (at most 255, or the cap; 255 means two 4-warp programs per multiprocessor, 128 four);
 - the kernel's loops: the backward branches of the SASS, in program order: sinks, packed
   groups, residual (the dense loops of sinks and residual step 64 tokens; the packed loop
   32 tokens, one bit-plane word per channel);
@@ -40,9 +41,9 @@ from triton.compiler import ASTSource
 from bench_attention import HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS  # the shape and presets bench_attention times
 
 from pnmix_patch import PNMixConfig
-from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, _decode_split_kernel
+from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, MAX_REGISTERS, NUM_STAGES, _decode_split_kernel
 
-RATIO, NUM_WARPS, NUM_STAGES = Q_HEADS // KV_HEADS, 4, 3
+RATIO, NUM_WARPS = Q_HEADS // KV_HEADS, 4
 POINTER_TYPES = {
     "order_ptr": "*i64", "sink_len_ptr": "*i32", "kc_high_ptr": "*i32", "kc_low_ptr": "*i32", "vc_ptr": "*i32",
     "num_groups_ptr": "*i32", "res_len_ptr": "*i32", "m_out_ptr": "*fp32", "l_out_ptr": "*fp32", "acc_out_ptr": "*fp32",
@@ -78,7 +79,7 @@ def compile_split_kernel(config: PNMixConfig) -> bytes:
         else:
             signature[name] = "fp32" if name == "qk_scale" else "i32"
     source = ASTSource(_decode_split_kernel, signature, constants)
-    options = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES}
+    options = {"num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "maxnreg": MAX_REGISTERS}
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
@@ -123,7 +124,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "triton": triton.__version__, "target": "sm_90",
               "shape": {"query_heads_per_kv_head": RATIO, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
-              "num_warps": NUM_WARPS, "num_stages": NUM_STAGES,
+              "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "max_registers": MAX_REGISTERS,
               "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets), "kernels": {}}  # fmt: skip
     for name in args.presets:
         result = analyze(compile_split_kernel(PRESETS[name]))
