@@ -89,7 +89,7 @@ def _append_token_kernel(
                 res_k, order_ptr + b * s_ob + h * s_oh,
                 high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
                 k_scale_ptr + b * s_sb + h * s_sh, k_zero_ptr + b * s_sb + h * s_sh,
-                group, num_groups + group, group >= 0,
+                group, num_groups + group,
                 s_rkt, s_rkd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
                 NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
             )

@@ -35,14 +35,14 @@ from .common import encode, minmax_scale_zero, nonempty
 
 @triton.jit
 def pack_key_group(
-    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr, group, group_out, active,
+    keys_ptr, order_ptr, high_ptr, low_ptr, scale_ptr, zero_ptr, group, group_out,
     s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
     NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
     BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
 ):
     """Quantize token group ``group`` of one (sequence, KV head) into group slot
-    ``group_out`` (nothing when ``active`` is false). The pointers are that head's bases."""
-    words = tl.where(active, G // 32, 0)
+    ``group_out``. The pointers are that head's bases."""
+    words: tl.constexpr = G // 32
     offs_d = tl.arange(0, BLOCK_D)  # stored channel index
     d_mask = offs_d < D
     is_high = offs_d < NUM_HIGH
@@ -67,8 +67,8 @@ def pack_key_group(
     param_offs = group_out * s_sg + offs_d * s_sd
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
-    tl.store(scale_ptr + param_offs, scale, mask=d_mask & active)
-    tl.store(zero_ptr + param_offs, zero, mask=d_mask & active)
+    tl.store(scale_ptr + param_offs, scale, mask=d_mask)
+    tl.store(zero_ptr + param_offs, zero, mask=d_mask)
     scale = scale.to(tl.float32)
     zero = zero.to(tl.float32)
 
@@ -108,7 +108,7 @@ def _pack_keys_kernel(
     pack_key_group(
         keys_ptr + b * s_kb + h * s_kh, order_ptr + b * s_ob + h * s_oh,
         high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
-        scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh, group, group, group >= 0,
+        scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh, group, group,
         s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
         NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
     )
