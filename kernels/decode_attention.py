@@ -263,8 +263,14 @@ def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> i
     """The fewest splits whose programs fill every program slot of the device (``slots`` =
     ``PROGRAMS_PER_MULTIPROCESSOR`` per multiprocessor) in waves at least ``MIN_WAVE_FILL``
     full; at most one per chunk and 128."""
-    limit = max(1, min(max_chunks, 128))
     slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(query.device.index) if query.is_cuda else 2
+    return _wave_filling_splits(slots, kv_programs, max_chunks)
+
+
+@functools.cache
+def _wave_filling_splits(slots: int, kv_programs: int, max_chunks: int) -> int:
+    """:func:`_default_splits`'s search, done once per shape (the launch runs every decode step)."""
+    limit = max(1, min(max_chunks, 128))
     for splits in range(1, limit + 1):
         programs = kv_programs * splits
         if programs >= slots and programs >= MIN_WAVE_FILL * slots * math.ceil(programs / slots):
