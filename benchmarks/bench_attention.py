@@ -1,13 +1,15 @@
 """Decode attention on the GPU: correctness first, then PN-Mix kernels vs bf16 SDPA, side by side.
 
     python benchmarks/bench_attention.py [--out DIR] [--quick]
+    python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's register cap x split count
 
 1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
    and bf16); fused decode attention against the float32 reference (relative error,
    bf16 and fp16); opcheck, torch.compile(fullgraph) and CUDA-graph replay; a tiny
    patched Llama on CUDA (kernels) against the same model on CPU (reference).
 2. Timing (Qwen3-8B head shape: 32 query heads, 8 KV heads, head dim 128; one layer;
-   median GPU time of CUDA-graph replays): pnmix-1, pnmix-2, kivi-2 kernels; bf16 SDPA
+   median GPU time of CUDA-graph replays): pnmix-1, pnmix-2, kivi-2 through the op (the
+   Gluon kernel on an H100/H200) and the Triton kernel side by side; bf16 SDPA
    over an uncompressed cache of the same length (GQA without copies); the PyTorch
    reference path at small sizes. For each: bytes that must be read, achieved GB/s
    and the fraction of the copy bandwidth measured in the same run.
@@ -30,7 +32,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench, do_bench_cudagraph
 
 from pnmix_patch import PNMixConfig, new_cache, patch_model
-from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference
+from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference, triton_decode_attention
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
 from pnmix_patch.quantize import channel_order, quantize_keys, quantize_values
@@ -168,6 +170,8 @@ def time_shapes(device, bandwidth, shapes, reference_limit) -> list[dict]:
             args = build_cache(config, batch, tokens, torch.bfloat16, device)
             ms = median_ms(lambda: decode_attention(*args))
             rows.append(row("kernel", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
+            ms = median_ms(lambda: triton_decode_attention(*args))
+            rows.append(row("triton", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
             if batch * tokens <= reference_limit and name == "pnmix-1":
                 ms = median_ms(lambda: decode_attention_reference(*args))
                 rows.append(row("reference", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
@@ -260,7 +264,7 @@ def sweep_launch(device) -> list[dict]:
     """Split-kernel launch options (warps, pipeline stages, split count) for pnmix-1, bf16,
     against the defaults (4 warps, ``NUM_STAGES``, ``_default_splits``), and the decode append's
     cost at the same batch (:func:`append_cost`)."""
-    from pnmix_patch.kernels.decode_attention import NUM_STAGES, _default_splits, triton_decode_attention
+    from pnmix_patch.kernels.decode_attention import NUM_STAGES, _default_splits
 
     rows = []
     config = PRESETS["pnmix-1"]
@@ -291,7 +295,7 @@ def sweep_registers(device) -> list[dict]:
     """Split-kernel register cap (``maxnreg``: more programs per multiprocessor, some spills),
     pipeline stages and split count at 4 warps, for pnmix-1, pnmix-2 and kivi-2 (bf16), with
     bf16 SDPA of the same shape timed in the same loop."""
-    from pnmix_patch.kernels.decode_attention import MAX_REGISTERS, NUM_STAGES, _default_splits, triton_decode_attention
+    from pnmix_patch.kernels.decode_attention import MAX_REGISTERS, NUM_STAGES, _default_splits
 
     rows = []
     for batch, tokens in ((1, 4096), (1, 32768), (8, 16384), (32, 16384)):
@@ -330,7 +334,7 @@ def sweep_registers(device) -> list[dict]:
 def sweep_splits(device) -> list[dict]:
     """Split count of the split kernel at its default launch options (pnmix-1, bf16): how the
     number of programs, and so the number of waves over the device's program slots, sets the time."""
-    from pnmix_patch.kernels.decode_attention import _default_splits, triton_decode_attention
+    from pnmix_patch.kernels.decode_attention import _default_splits
 
     rows = []
     candidates = {1: (16, 33, 48, 66, 99, 132), 8: (5, 8, 9, 12, 16, 20, 24, 33, 40, 66),
@@ -348,6 +352,26 @@ def sweep_splits(device) -> list[dict]:
     return rows
 
 
+def sweep_mma(device) -> list[dict]:
+    """Register cap x split count of the Gluon split kernel (pnmix-1, bf16), the default flagged."""
+    from pnmix_patch.kernels.decode_attention_mma import launch_defaults, mma_decode_attention
+
+    rows = []
+    candidates = {1: (8, 16, 22, 33, 44, 66), 8: (2, 4, 6, 8, 12, 16), 32: (1, 2, 3, 4, 8), 64: (1, 2, 4)}
+    for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
+        args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
+        default_registers, default = launch_defaults(args[0], batch * KV_HEADS, args[5].shape[2])
+        for registers in (None, 168, 128):
+            for splits in sorted({*candidates[batch], default}):
+                ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
+                rows.append({"batch": batch, "context": tokens, "max_registers": registers, "num_splits": splits,
+                             "default": splits == default and registers == default_registers, "ms": ms})  # fmt: skip
+                print(f"  mma B={batch:2d} T={tokens:6d} registers={registers} splits={splits:3d}: {ms * 1e3:8.1f} us"
+                      + ("  (default)" if rows[-1]["default"] else ""), flush=True)
+        del args
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -356,6 +380,7 @@ def main() -> None:
     parser.add_argument("--append-only", action="store_true", help="only the decode append's cost (and its bit-exactness)")
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
+    parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's register-cap and split sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -370,7 +395,8 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention_append.json").write_text(json.dumps(report, indent=2))
         return
-    for flag, sweep, name in (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split")):
+    sweeps = (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split"), ("sweep_mma", sweep_mma, "mma"))
+    for flag, sweep, name in sweeps:
         if getattr(args, flag):
             rows = sweep(device)
             Path(args.out).mkdir(parents=True, exist_ok=True)

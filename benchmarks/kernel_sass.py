@@ -17,6 +17,13 @@ with the ``cuobjdump`` that ships with Triton:
   kernel when it is instruction-bound (an H200 issues about 132 x 4 warp-instructions per
   cycle).
 
+Then the same for the Gluon kernel (``kernels/decode_attention_mma.py``, the one CUDA runs for
+these shapes), at its register cap (128) and uncapped (its choice for single-stream decoding):
+its packed loop covers one key group (G tokens, G / 64 unrolled 64-token steps); its counts are
+given per 32 tokens to compare. Its pointer and stride arguments are marked divisible by 16, as
+a launch on these shapes specializes them; the Triton kernel is compiled without that hint, as
+in the earlier sessions' counts.
+
 A static count: one pass through the loop body, every instruction counted once (branches
 inside the body are not weighted). It measures the code, not the time; use it to compare
 kernel variants between GPU runs. Writes ``kernel_sass.json`` under ``--out``.
@@ -34,6 +41,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -41,6 +49,7 @@ from triton.compiler import ASTSource
 from bench_attention import HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS  # the shape and presets bench_attention times
 
 from pnmix_patch import PNMixConfig
+from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, MAX_REGISTERS, NUM_STAGES, _decode_split_kernel
 
 RATIO, NUM_WARPS = Q_HEADS // KV_HEADS, 4
@@ -54,6 +63,7 @@ CLASSES = {
     "warp shuffle": ("SHFL",),
     "barrier": ("BAR",),
     "global memory": ("LDG", "STG", "LDGSTS", "LDGDEPBAR", "DEPBAR"),
+    "local memory (spills)": ("LDL", "STL"),
     "conversion": ("I2F", "F2F", "F2FP", "I2FP", "F2I"),
     "float": ("FADD", "FMUL", "FFMA", "FMNMX", "MUFU", "FSETP", "FSEL", "HADD2", "HMUL2", "HFMA2"),
     "integer and logic": ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "IABS", "IMNMX", "VIADD", "BFE", "BFI", "FLO", "POPC", "LOP", "SGXT"),
@@ -83,8 +93,33 @@ def compile_split_kernel(config: PNMixConfig) -> bytes:
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
 
 
-def analyze(cubin: bytes) -> dict:
-    """Registers, loops and the packed loop's instruction classes of a cubin."""
+def compile_mma_kernel(config: PNMixConfig, max_registers: int | None) -> bytes:
+    """The sm_90 cubin of the Gluon split kernel (``decode_attention_mma``) for ``config`` at the
+    Qwen3-8B head shape, bf16, with the pointer and stride arguments marked divisible by 16, as a
+    launch on those shapes specializes them (so loads vectorize as on the GPU)."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    kernel = mma._decode_split_kernel_mma
+    constants = mma.kernel_constants(
+        torch.bfloat16, HEAD_DIM, RATIO, config.key_group_size, 2 * config.num_selected_pairs(HEAD_DIM),
+        config.key_bits_high, config.key_bits_low, config.value_bits,
+    )  # fmt: skip
+    signature, attributes = {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = POINTER_TYPES.get(name, "*bf16") if name.endswith("_ptr") else "fp32" if name == "qk_scale" else "i32"
+        if name.endswith("_ptr") or name.startswith("s_"):
+            attributes[(index,)] = [["tt.divisibility", 16]]
+    options = {"num_warps": mma.NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers})}
+    source = GluonASTSource(kernel, signature, constants, attributes)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["cubin"]
+
+
+def analyze(cubin: bytes, tokens_per_iteration: int = 32) -> dict:
+    """Registers, loops and the packed loop's instruction classes of a cubin; one iteration of the
+    packed loop covers ``tokens_per_iteration`` tokens (the figures are given per 32 tokens)."""
     with tempfile.TemporaryDirectory() as folder:
         path = os.path.join(folder, "kernel.cubin")
         Path(path).write_bytes(cubin)
@@ -103,11 +138,13 @@ def analyze(cubin: bytes) -> dict:
     result = {"registers": registers, "loop_sizes": [len(body) for body in loops]}
     if len(loops) == 3:  # sinks, packed groups, residual
         body = Counter(loops[1])
-        classes = {name: sum(body[op] for op in ops) for name, ops in CLASSES.items()}
-        classes["other"] = len(loops[1]) - sum(classes.values())
+        per_32 = 32 / tokens_per_iteration
+        classes = {name: round(sum(body[op] for op in ops) * per_32, 1) for name, ops in CLASSES.items()}
+        classes["other"] = round(len(loops[1]) * per_32 - sum(classes.values()), 1)
         result.update(
-            packed_loop_instructions_per_warp=len(loops[1]),
-            packed_loop_instructions_per_token_and_kv_head=len(loops[1]) * NUM_WARPS / 32,
+            packed_loop_tokens_per_iteration=tokens_per_iteration,
+            packed_loop_instructions_per_warp=len(loops[1]) * per_32,
+            packed_loop_instructions_per_token_and_kv_head=len(loops[1]) * per_32 * NUM_WARPS / 32,
             packed_loop_classes=classes,
             packed_loop_top_opcodes=dict(body.most_common(12)),
         )
@@ -125,15 +162,22 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "triton": triton.__version__, "target": "sm_90",
               "shape": {"query_heads_per_kv_head": RATIO, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
               "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "max_registers": MAX_REGISTERS,
-              "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets), "kernels": {}}  # fmt: skip
-    for name in args.presets:
-        result = analyze(compile_split_kernel(PRESETS[name]))
-        report["kernels"][name] = result
-        line = f"{name:8s} registers {result['registers']:3d}  loops {result['loop_sizes']}"
+              "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets),
+              "kernels": {}, "gluon_kernels": {}}  # fmt: skip
+    variants = [("triton", name, None) for name in args.presets]
+    variants += [("gluon", name, registers) for name in args.presets for registers in (mma.MAX_REGISTERS, None)]
+    for kernel, name, registers in variants:
+        if kernel == "triton":
+            result = analyze(compile_split_kernel(PRESETS[name]))
+            report["kernels"][name] = result
+        else:
+            result = analyze(compile_mma_kernel(PRESETS[name], registers), PRESETS[name].key_group_size)
+            report["gluon_kernels"][f"{name}/max_registers={registers}"] = result
+        line = f"{kernel:6s} {name:8s} registers {result['registers']:3d}  loops {result['loop_sizes']}"
         if "packed_loop_classes" in result:
-            line += (f"  packed loop: {result['packed_loop_instructions_per_warp']} instructions per warp per 32 tokens = "
+            line += (f"  packed loop: {result['packed_loop_instructions_per_warp']:.0f} instructions per warp per 32 tokens = "
                      f"{result['packed_loop_instructions_per_token_and_kv_head']:.0f} per token and KV head; "
-                     + ", ".join(f"{k} {v}" for k, v in result["packed_loop_classes"].items()))  # fmt: skip
+                     + ", ".join(f"{k} {v:g}" for k, v in result["packed_loop_classes"].items()))  # fmt: skip
         print(line, flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "kernel_sass.json").write_text(json.dumps(report, indent=2))

@@ -32,6 +32,11 @@ for sinks, residual and values.
 Dot operands are in the query dtype (fp16/bf16, float32 accumulation); float32
 inputs use exact ``ieee`` dots (for tests).
 
+On CUDA the op runs the Gluon kernel of :mod:`.decode_attention_mma` where it applies
+(``supports``: fp16/bf16, head dim 64 or 128, ...): it shares this module's merge kernel
+and launcher (:func:`split_and_merge`) and is 1.3-1.7x faster on an H200. This Triton
+kernel serves the other shapes and is the one the CPU interpreter tests.
+
 Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
 multiple of ``H``. Tensors may have any batch/head strides (views sliced along the
 token or group dim are read in place); below the head dim they must be contiguous,
@@ -315,6 +320,37 @@ def triton_decode_attention(
     if num_splits is None:
         num_splits = _default_splits(query, batch * heads, group_cap * words)
 
+    constants = dict(
+        RATIO=q_heads // heads, BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
+        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        G=32 * words, C_HIGH=c_high, BITS_HIGH=bits_high, BITS_LOW=key_codes_low.shape[3],
+        BITS_V=value_codes.shape[3], GV=value_group,
+        BLOCK_N_DENSE=BLOCK_N_DENSE,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages, **({} if max_registers is None else {"maxnreg": max_registers}),
+    )  # fmt: skip
+    return split_and_merge(
+        _decode_split_kernel, constants, num_splits, overflowed, scaling,
+        query, order, sink_keys, sink_values, sink_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups,
+        residual_keys, residual_values, residual_len,
+    )  # fmt: skip
+
+
+def split_and_merge(
+    split_kernel, constants: dict, num_splits: int, overflowed: torch.Tensor | None, scaling: float,
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len,
+) -> torch.Tensor:
+    """Run ``split_kernel`` (this module's, or the Gluon one of ``decode_attention_mma``: same
+    arguments) on the grid ``(B * H, num_splits)`` with ``constants`` (its constexprs and launch
+    options), then the merge kernel; returns ``[B, Hq, D]``."""
+    batch, q_heads, head_dim = query.shape
+    heads = sink_keys.shape[1]
+    capacities = (sink_keys.shape[2], key_codes_high.shape[2], residual_keys.shape[2])  # before the views: empty ones become one element
     m = query.new_empty(batch, q_heads, num_splits, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = query.new_empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32)
@@ -328,21 +364,15 @@ def triton_decode_attention(
     ]
     query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero = tensors[:8]
     value_codes, value_scale, value_zero, residual_keys, residual_values = tensors[8:]
-    _decode_split_kernel[(batch * heads, num_splits)](
+    split_kernel[(batch * heads, num_splits)](
         query, order, sink_keys, sink_values, sink_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
         value_codes, value_scale, value_zero, num_groups,
         residual_keys, residual_values, residual_len,
         m, l, acc,
-        scaling * math.log2(math.e), heads, num_splits, sink_keys.shape[2], group_cap, residual_keys.shape[2],
+        scaling * math.log2(math.e), heads, num_splits, *capacities,
         *(stride for t in tensors for stride in t.stride()[:2]),
-        RATIO=q_heads // heads, BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
-        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        G=32 * words, C_HIGH=c_high, BITS_HIGH=bits_high, BITS_LOW=key_codes_low.shape[3],
-        BITS_V=value_codes.shape[3], GV=value_group,
-        BLOCK_N_DENSE=BLOCK_N_DENSE,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages, **({} if max_registers is None else {"maxnreg": max_registers}),
+        **constants,
     )
     _decode_combine_kernel[(batch * q_heads,)](
         m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
@@ -420,7 +450,8 @@ def decode_attention(
     (``channel_order(channel_mask)``); the other tensors are as in the module docstring.
     ``overflowed`` (bool ``[B]``, optional) marks sequences that outgrew a static cache:
     their rows are NaN (written by the merge kernel, no extra launch).
-    This default implementation is :func:`decode_attention_reference`; CUDA runs Triton.
+    This default implementation is :func:`decode_attention_reference`; CUDA runs the Gluon kernel of
+    :mod:`.decode_attention_mma` for the shapes it supports, the Triton kernel otherwise.
     """
     return decode_attention_reference(
         query, order, sink_keys, sink_values, sink_len,
@@ -430,6 +461,17 @@ def decode_attention(
     )
 
 
+@functools.cache
+def _mma_kernel():
+    """The Gluon kernel's module (``decode_attention_mma``, which imports this one), or None when
+    the installed Triton has no Gluon ``mma_v2`` (older than 3.5)."""
+    try:
+        from . import decode_attention_mma
+    except ImportError:
+        return None
+    return decode_attention_mma
+
+
 @decode_attention.register_kernel("cuda")
 def _decode_attention_cuda(
     query, order, sink_keys, sink_values, sink_len,
@@ -437,7 +479,9 @@ def _decode_attention_cuda(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len, scaling, overflowed=None,
 ):
-    return triton_decode_attention(
+    mma = _mma_kernel()
+    use_mma = mma is not None and mma.supports(query, key_codes_high, key_codes_low, value_codes, value_scale, sink_keys.shape[1])
+    return (mma.mma_decode_attention if use_mma else triton_decode_attention)(
         query, order, sink_keys, sink_values, sink_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
         value_codes, value_scale, value_zero, num_groups,
