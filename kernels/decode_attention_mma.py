@@ -67,7 +67,7 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
     """Whether this kernel handles the call (else the Triton kernel does): a CUDA device with
     ``mma.sync`` (8.0+), fp16/bf16, head dim 64 or 128, key groups of a multiple of 64
     tokens, codes of at most 4 bits, one value group per token, at most 16 query heads per KV head."""
-    if not query.is_cuda or query.dtype not in MAGIC or torch.cuda.get_device_capability(query.device)[0] < 8:
+    if not query.is_cuda or query.dtype not in MAGIC or _capability(query.device.index)[0] < 8:
         return False
     head_dim = query.shape[-1]
     bits = (key_codes_high.shape[3], key_codes_low.shape[3], value_codes.shape[3])
@@ -79,6 +79,11 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
         and query.shape[1] % heads == 0
         and query.shape[1] // heads <= 16
     )
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 def value_row_channel(row: int, head_dim: int) -> int:
@@ -372,12 +377,13 @@ def launch_defaults(query: torch.Tensor, kv_programs: int, max_groups: int) -> t
     return registers, _wave_filling_splits(per_multiprocessor * multiprocessors, kv_programs, max_groups)
 
 
+@functools.cache
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, ratio: int, group_size: int, num_high: int,
     bits_high: int, bits_low: int, bits_value: int,
 ) -> dict:
     """The split kernel's constexpr arguments for a cache of these shapes (the launcher's, and
-    ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU)."""
+    ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
     magic, exact = MAGIC[dtype], dtype == torch.float16
     key_planes = max(bits_high, bits_low)
     return dict(
@@ -410,11 +416,13 @@ def mma_decode_attention(
     default_registers, default_split_count = launch_defaults(query, batch * heads, group_cap)
     num_splits = default_split_count if num_splits is None else num_splits
     max_registers = default_registers if max_registers == "default" else max_registers
-    constants = kernel_constants(
-        query.dtype, head_dim, q_heads // heads, 32 * words, c_high,
-        bits_high, key_codes_low.shape[3], value_codes.shape[3],
+    constants = dict(
+        kernel_constants(
+            query.dtype, head_dim, q_heads // heads, 32 * words, c_high,
+            bits_high, key_codes_low.shape[3], value_codes.shape[3],
+        ),
+        num_warps=NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip
-    constants.update(num_warps=NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers}))
     return split_and_merge(
         _decode_split_kernel_mma, constants, num_splits, overflowed, scaling,
         query, order, sink_keys, sink_values, sink_len,
