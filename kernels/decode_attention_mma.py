@@ -12,21 +12,29 @@ holds which code. Gluon states layouts explicitly, so here each thread unpacks e
 codes its ``mma.sync`` fragments need, from the packed words it loads itself:
 
 - The packed codes are the *A* operand (16 x 16 fragments; a thread holds rows r, r + 8
-  and column pairs k, k + 1). Keys: ``scores^T [T, Hq] = codes [T tokens, D] @ (q *
-  scale)^T``. Values: ``acc^T [D, Hq] += codes^T [D, T tokens] @ (p * scale)^T``; the
+  and column pairs k, k + 1). Keys: ``scores^T [T, Hq] = planes [T tokens, D] @ (q *
+  scale)^T``. Values: ``acc^T [D, Hq] += planes^T [D, T tokens] @ (p * scale)^T``; the
   per-token value scale and zero fold into ``p`` (values need one scale per token:
   value group = head dim), the per-channel key scale into ``q``, zeros into a per-head
   offset.
+- Each bit plane is its own operand and its own ``mma.sync``, so a channel costs only the
+  planes it has: keys run as two tiles, the first ``W_HIGH`` stored channels (the selected
+  ones, ``b_H`` planes) and the rest (``b_L`` planes).
 - Rows r and r + 8 of a fragment read the same 32-bit word (tokens of a key word, channels
-  of a value word), their bits 8 apart. A PTX block (:func:`unpack_asm`) rotates each
-  plane word right by ``bit(r) - p``, gathers byte 0 (row r) or byte 1 (row r + 8) of the
-  words of columns k and k + 1 into the two 16-bit halves of a register (``prmt``), and
-  merges plane p into ``MAGIC + code`` (``lop3``): one register holds two 16-bit floats
-  ``MAGIC + code`` (bf16 ``0x4300`` = 128, fp16 ``0x6400`` = 1024, the code in the low
-  mantissa bits), with no integer-to-float conversion. bf16: ``MAGIC * sum(operand)`` is
-  subtracted with the zero terms (128 times the sum costs the float32 sums 7 bits). fp16:
-  the PTX subtracts MAGIC (``sub.f16x2``, exact), because 1024 times the sum cost 10 bits:
-  relative error 4.7e-3 against the reference on an H200, where the Triton kernel has 5e-4.
+  of a value word), as bytes ``b`` and ``b + 1`` at the same bit ``j = r % 8``. One ``prmt``
+  gathers byte ``b`` of the words of columns k and k + 1 into the two 16-bit halves of a
+  register and one ``lop3`` keeps bit j of each half and ORs in a 16-bit float ``M`` whose
+  mantissa has its lowest bit worth ``2^p'`` (:func:`unpack_asm`): the halves are then
+  ``M + 2^(p' + j) * bit``, a float made without any conversion, two instructions per
+  register and plane. The factor ``2^-j`` is the same for all of a thread's rows, so it is
+  applied to the MMA results (score rows, output rows), not to the operands.
+- bf16 (7 mantissa bits): ``M`` is 128 for planes 0 and 1, 512 for planes 2 and 3 (an
+  exponent with bit 7 clear, so that bit 7, row 7, ORs in exactly: 128 | 128 reads 256);
+  odd planes accumulate apart and count twice. The ``M`` terms (``M * sum(operand)`` per
+  plane) are subtracted per head, from the accumulator's start value. fp16: ``M = 1024 *
+  2^p`` and the PTX subtracts it (``sub.f16x2``, exact), because 1024 times the sums cost
+  10 bits of the tensor cores' float32 accumulation (relative error 4.7e-3 against 5e-4 on
+  an H200, measured with the previous form of this kernel).
 - The word tensors are loaded once per thread in a layout that is the A-operand layout
   with the row split into (word, bit) and the bit dimension dropped
   (``DistributedLinearLayout``); broadcasting back over the bits and reshaping is free
@@ -55,8 +63,7 @@ NUM_WARPS = 4
 BLOCK_T = gl.constexpr(64)
 """Tokens per step: 4 warps x 16 rows of the MMA."""
 MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
-"""16-bit float bit patterns whose lowest mantissa bit is worth 1: 128.0 (bf16), 1024.0 (fp16).
-The per-head terms subtract ``MAGIC_VALUE`` times the operand sums (0 when the PTX already did)."""
+"""16-bit float bit patterns whose lowest mantissa bit is worth 1: 128.0 (bf16), 1024.0 (fp16)."""
 MAX_REGISTERS = 128
 """Register cap per thread (Triton's ``maxnreg``) so that 4 programs share a multiprocessor;
 uncapped the kernel takes ~250 and 2 fit."""
@@ -95,6 +102,13 @@ def value_row_channel(row: int, head_dim: int) -> int:
     return (row & 15) | ((row >> 6) & 1) << 4 | ((row >> 4) & 3) << 5
 
 
+def high_tile_width(head_dim: int, num_high: int) -> int:
+    """Stored channels ``[0, W)`` of the first key tile (the rest form the second): 0 when no
+    channel is selected, else half the head or all of it, whichever holds the ``num_high``
+    selected channels (a tile is a power of two wide)."""
+    return 0 if num_high == 0 else head_dim // 2 if num_high <= head_dim // 2 else head_dim
+
+
 def _a_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
     """Register, lane and warp bases of the A operand ``[rows, cols]`` of a 16-bit ``mma.sync``
     m16n8k16 with 4 warps along the rows (Triton's linear layout, as ``gl.to_linear_layout`` gives)."""
@@ -113,48 +127,56 @@ def _word_bit_layout(rows: int, cols: int, row_channel) -> gl.DistributedLinearL
 
 
 @functools.cache
-def layouts(head_dim: int) -> dict:
-    """The kernel's layouts (constexpr arguments) for ``head_dim``."""
+def layouts(head_dim: int, high_width: int) -> dict:
+    """The kernel's layouts (constexpr arguments) for ``head_dim`` and a first key tile
+    ``high_width`` channels wide (a tile of width 0 gets a placeholder layout, never used)."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     return dict(
         MMA=mma,
         A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
-        KEY_BITS=_word_bit_layout(BLOCK_T.value, head_dim, lambda r: r),
+        KEY_BITS_HIGH=_word_bit_layout(BLOCK_T.value, high_width or head_dim, lambda r: r),
+        KEY_BITS_LOW=_word_bit_layout(BLOCK_T.value, head_dim - high_width or head_dim, lambda r: r),
         VALUE_BITS=_word_bit_layout(head_dim, BLOCK_T.value, lambda r: value_row_channel(r, head_dim)),
     )
 
 
 @functools.cache
-def unpack_asm(planes: int, magic: int, subtract_magic: bool = False) -> str:
-    """PTX of one 2 x 2 block of A-operand elements: ``(r, k), (r, k+1), (r+8, k), (r+8, k+1)``.
+def unpack_asm(subtract_magic: bool) -> str:
+    """PTX of one plane of a 2 x 2 block of A-operand elements: ``(r, k), (r, k+1), (r+8, k), (r+8, k+1)``.
 
-    Operands: ``$0, $1`` the two result registers (row r, row r + 8; column k in the low
-    half); then per plane p: the words of the four elements (``$2 + 8p``: column k, ``$3 + 8p``:
-    column k + 1; rows r + 8 repeat them), then ``bit(r) - p`` four times (``$6 + 8p``).
-    ``subtract_magic`` (fp16 only): end with ``sub.rn.f16x2`` of MAGIC, leaving the exact codes.
+    Operands (four per input, in that element order): ``$0, $1`` the results (row r, row
+    r + 8; column k in the low half); the plane words ``$2..$5`` (column k, column k + 1; rows
+    r + 8 repeat them); the ``prmt`` selectors ``$6..$9`` (byte ``b`` of row r into bytes 0-1,
+    the same byte of column k + 1's word into bytes 2-3; ``$8`` has row r + 8's byte ``b + 1``);
+    the masks ``$10..$13`` (bit ``j`` of both halves); the magic ``$14..$17`` (``M`` in both
+    halves). ``subtract_magic`` (fp16): end with ``sub.rn.f16x2`` of ``M``, leaving ``2^(p' + j) * bit``.
     """
-    lines = ["{", ".reg .b32 a, b, x;", f"mov.b32 $0, {magic * 0x10001:#x};", f"mov.b32 $1, {magic * 0x10001:#x};"]
-    for p in range(planes):
-        word_k, word_k1, shift = 2 + 8 * p, 3 + 8 * p, 6 + 8 * p
-        lines += [f"shf.r.wrap.b32 a, ${word_k}, ${word_k}, ${shift};", f"shf.r.wrap.b32 b, ${word_k1}, ${word_k1}, ${shift};"]
-        # prmt 0x0400: bytes (a0, a0, b0, a0); 0x0501: (a1, a0, b1, a0). lop3 0xEA: (x & mask) | out.
-        for out, selector in ((0, "0x0400"), (1, "0x0501")):
-            lines += [f"prmt.b32 x, a, b, {selector};", f"lop3.b32 ${out}, x, {0x10001 << p:#x}, ${out}, 0xEA;"]
+    lines = ["{", ".reg .b32 x;"]
+    for out, selector, mask, magic in ((0, 6, 10, 14), (1, 8, 12, 16)):
+        # lop3 0xEA: (x & mask) | magic.
+        lines += [f"prmt.b32 x, $2, $3, ${selector};", f"lop3.b32 ${out}, x, ${mask}, ${magic}, 0xEA;"]
     if subtract_magic:
-        lines += [f"mov.b32 x, {magic * 0x10001:#x};", "sub.rn.f16x2 $0, $0, x;", "sub.rn.f16x2 $1, $1, x;"]
+        lines += ["sub.rn.f16x2 $0, $0, $14;", "sub.rn.f16x2 $1, $1, $16;"]
     return "\n".join(lines + ["}"])
 
 
-def unpack_constraints(planes: int) -> str:
-    return ",".join(["=r", "=r"] + ["r"] * (8 * planes))
+UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=r", "=r"] + ["r"] * 16))
+
+
+def plane_magic(dtype: torch.dtype, plane: int) -> int:
+    """The 16-bit pattern ``M`` of bit plane ``plane``: fp16 ``1024 * 2^p`` (its lowest mantissa
+    bit is worth ``2^p``); bf16 ``128 * 4^(p // 2)`` (worth ``4^(p // 2)``: odd planes count twice)."""
+    if dtype == torch.float16:
+        return MAGIC[dtype] + (plane << 10)
+    return MAGIC[dtype] + ((plane // 2) << 8)
 
 
 @gluon.jit
-def _spread(words, bit3, M: gl.constexpr, K: gl.constexpr, A: gl.constexpr, TAKE_BIT: gl.constexpr):
-    """Words ``[M / 32, K]`` -> ``[M, K]`` in the A layout, row r reading its word (``TAKE_BIT``: the
-    bit of row r instead). ``bit3`` is ``[1, 32, 1]``; no data moves."""
-    x = gl.broadcast(gl.expand_dims(words, 1), bit3)[1 if TAKE_BIT else 0]
+def _spread(words, bit3, M: gl.constexpr, K: gl.constexpr, A: gl.constexpr):
+    """Words ``[M / 32, K]`` -> ``[M, K]`` in the A layout, row r reading its word. ``bit3`` is
+    ``[1, 32, 1]``; no data moves."""
+    x = gl.broadcast(gl.expand_dims(words, 1), bit3)[0]
     return gl.convert_layout(gl.reshape(x, [M, K]), A, assert_trivial=True)
 
 
@@ -167,26 +189,33 @@ def _relabel_value_rows(x, D: gl.constexpr, T: gl.constexpr, A: gl.constexpr):
 
 
 @gluon.jit
-def _unpack(w0, w1, w2, w3, s0, s1, s2, s3, PLANES: gl.constexpr, ASM: gl.constexpr, CONSTRAINTS: gl.constexpr, like):
-    """``MAGIC + code`` as 16-bit floats of ``like``'s dtype from ``PLANES`` plane words and rotations
-    (the rest unused)."""
-    dtype = like.dtype
-    if PLANES == 1:
-        out = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [w0, s0], dtype, True, 4)
-    elif PLANES == 2:
-        out = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [w0, s0, w1, s1], dtype, True, 4)
-    elif PLANES == 3:
-        out = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [w0, s0, w1, s1, w2, s2], dtype, True, 4)
-    else:
-        out = gl.inline_asm_elementwise(ASM, CONSTRAINTS, [w0, s0, w1, s1, w2, s2, w3, s3], dtype, True, 4)
-    return out
+def _row_channel(rows, D: gl.constexpr):
+    """:func:`value_row_channel` of a tensor of rows."""
+    if D == 128:
+        rows = (rows & 15) | ((rows >> 6) & 1) << 4 | ((rows >> 4) & 3) << 5
+    return rows
+
+
+@gluon.jit
+def _bit_operands(bit_index):
+    """The ``prmt`` selector and the mask (see :func:`unpack_asm`) of rows whose code bit is bit
+    ``bit_index`` (0-31, a ``[rows, 1]`` tensor) of their word; they broadcast over the columns."""
+    byte = (bit_index % 32) // 8
+    return byte * 0x11 + (byte + 4) * 0x1100, 0x10001 << (bit_index % 8)
+
+
+@gluon.jit
+def _plane_operand(words, selector, mask, MAGIC_BITS: gl.constexpr, ASM: gl.constexpr, like):
+    """One bit plane as a 16-bit A operand of ``like``'s dtype: ``M + 2^(p' + j) * bit`` (see :func:`unpack_asm`)."""
+    return gl.inline_asm_elementwise(ASM, UNPACK_CONSTRAINTS, [words, selector, mask, MAGIC_BITS * 0x10001],
+                                     like.dtype, True, 4)
 
 
 @gluon.jit
 def _key_words(kh_ptrs, kl_ptrs, is_high, group, word0, p: gl.constexpr, BITS_HIGH: gl.constexpr,
                BITS_LOW: gl.constexpr, WORDS: gl.constexpr, C_HIGH: gl.constexpr, C_LOW: gl.constexpr):
-    """Plane ``p`` of the key words ``[T / 32, D]`` of one step: stored channel c < C_HIGH from the
-    selected-channel codes, the others from the low ones; 0 for a channel with fewer planes."""
+    """Plane ``p`` of a key tile's words ``[T / 32, W]`` of one step: stored channel c < C_HIGH from
+    the selected-channel codes, the others from the low ones; 0 for a channel with fewer planes."""
     high = kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word0) * C_HIGH
     low = kl_ptrs + ((group * BITS_LOW + p) * WORDS + word0) * C_LOW
     if p < BITS_HIGH and p < BITS_LOW:
@@ -199,16 +228,44 @@ def _key_words(kh_ptrs, kl_ptrs, is_high, group, word0, p: gl.constexpr, BITS_HI
 
 
 @gluon.jit
+def _key_tile_pointers(kc_high_ptr, kc_low_ptr, C0: gl.constexpr, W: gl.constexpr, C_HIGH: gl.constexpr,
+                       D: gl.constexpr, T: gl.constexpr, KEY_BITS: gl.constexpr):
+    """Word pointers ``[T / 32, W]`` of stored channels ``[C0, C0 + W)`` into both code tensors of a
+    head (bit t of word w is token 32 w + t of a step), and which of the channels are selected."""
+    KEY_WORDS: gl.constexpr = gl.SliceLayout(1, KEY_BITS)
+    word = gl.expand_dims(gl.arange(0, T // 32, layout=gl.SliceLayout(1, KEY_WORDS)), 1)
+    channel = C0 + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, KEY_WORDS)), 0)
+    high = kc_high_ptr + word * C_HIGH + channel
+    low = kc_low_ptr + word * (D - C_HIGH) + (channel - C_HIGH)
+    return high, low, channel < C_HIGH
+
+
+@gluon.jit
+def _key_tile_scores(s_even, s_odd, kh_ptrs, kl_ptrs, is_high, group, word0, q_tile, selector, mask, bit3,
+                     PLANES: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, WORDS: gl.constexpr,
+                     C_HIGH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, W: gl.constexpr, A: gl.constexpr,
+                     MAGIC_BITS: gl.constexpr, MAGIC_STEP: gl.constexpr, MAGIC_DIV: gl.constexpr,
+                     EXACT: gl.constexpr, ASM: gl.constexpr):
+    """Add one key tile's planes times ``q_tile`` to the score accumulators (bf16: odd planes
+    to ``s_odd``, which counts twice; see :func:`plane_magic`)."""
+    for p in gl.static_range(PLANES):
+        words = _key_words(kh_ptrs, kl_ptrs, is_high, group, word0, p, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D - C_HIGH)
+        operand = _plane_operand(_spread(words, bit3, T, W, A), selector, mask,
+                                 MAGIC_BITS + (p // MAGIC_DIV) * MAGIC_STEP, ASM, q_tile)
+        if EXACT or p % 2 == 0:
+            s_even = mma_v2(operand, q_tile, s_even)
+        else:
+            s_odd = mma_v2(operand, q_tile, s_odd)
+    return s_even, s_odd
+
+@gluon.jit
 def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLOCK_Q: gl.constexpr,
                   A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr):
     """Attend to ``length`` full-precision rows ``[tokens, D]`` at ``k_ptr``/``v_ptr`` (sinks, residual)."""
     T: gl.constexpr = BLOCK_T
     t_k = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1)
     d_k = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, A)), 0)
-    rows_v = gl.arange(0, D, layout=gl.SliceLayout(1, A))
-    if D == 128:  # value_row_channel
-        rows_v = (rows_v & 15) | ((rows_v >> 6) & 1) << 4 | ((rows_v >> 4) & 3) << 5
-    c_v = gl.expand_dims(rows_v, 1)
+    c_v = gl.expand_dims(_row_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A)), D), 1)
     t_v = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(0, A)), 0)
     t_s = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, MMA)), 1)
     for start in range(0, length, T):
@@ -223,6 +280,7 @@ def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLO
         acc = mma_v2(v, gl.convert_layout(p.to(k.dtype), B), acc * gl.expand_dims(alpha, 0))
         m_i = m_new
     return m_i, l_i, acc
+
 
 
 @gluon.jit
@@ -242,9 +300,11 @@ def _decode_split_kernel_mma(
     s_rkb, s_rkh, s_rvb, s_rvh,
     RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr,
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
-    MAGIC_VALUE: gl.constexpr, KEY_PLANES: gl.constexpr, KEY_ASM: gl.constexpr, KEY_CONSTRAINTS: gl.constexpr,
-    VALUE_ASM: gl.constexpr, VALUE_CONSTRAINTS: gl.constexpr,
-    MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr,
+    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr,
+    EXACT: gl.constexpr, MAGIC_VALUE: gl.constexpr, MAGIC_BITS: gl.constexpr, MAGIC_STEP: gl.constexpr,
+    MAGIC_DIV: gl.constexpr, ASM: gl.constexpr,
+    MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
+    KEY_BITS_HIGH: gl.constexpr, KEY_BITS_LOW: gl.constexpr, VALUE_BITS: gl.constexpr,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -252,14 +312,13 @@ def _decode_split_kernel_mma(
     h = (pid_bh % num_heads).to(gl.int64)
     dtype: gl.constexpr = query_ptr.dtype.element_ty
     T: gl.constexpr = BLOCK_T
+    W_LOW: gl.constexpr = D - W_HIGH
 
     # Query^T [D, BLOCK_Q] in the B-operand layout; scores in the log2 domain (qk_scale has log2(e)).
     d_b = gl.arange(0, D, layout=gl.SliceLayout(1, B))
     j_b = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B))
     q_cols = query_ptr + b * s_qb + (h * RATIO + gl.expand_dims(j_b, 0)) * s_qh
     q_mask = gl.expand_dims(j_b < RATIO, 0) & gl.expand_dims(d_b < D, 1)
-    order = gl.load(order_ptr + b * s_ob + h * s_oh + d_b)
-    q_stored = gl.load(q_cols + gl.expand_dims(order, 1), mask=q_mask, other=0.0).to(gl.float32) * qk_scale
     q_natural = (gl.load(q_cols + gl.expand_dims(d_b, 1), mask=q_mask, other=0.0).to(gl.float32) * qk_scale).to(dtype)
 
     m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -273,80 +332,130 @@ def _decode_split_kernel_mma(
 
     # Packed groups: this split's slice of the sequence's groups.
     WORDS: gl.constexpr = G // 32
-    C_LOW: gl.constexpr = D - C_HIGH
     n_groups = gl.minimum(gl.load(num_groups_ptr + b), group_cap)
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Key words [T / 32, D] of a plane: bit t of word w is token 32 w + t of the step.
-    KEY_WORDS: gl.constexpr = gl.SliceLayout(1, KEY_BITS)
-    k_word = gl.expand_dims(gl.arange(0, T // 32, layout=gl.SliceLayout(1, KEY_WORDS)), 1)
-    k_chan = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, KEY_WORDS)), 0)
-    is_high = k_chan < C_HIGH
-    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + k_word * C_HIGH + k_chan
-    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + k_word * C_LOW + (k_chan - C_HIGH)
-    k_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS))), 0), 2)
-    k_rot = _spread(gl.zeros([T // 32, D], gl.int32, layout=KEY_WORDS), k_bit, T, D, A, True)
+    # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes),
+    # each with the query in stored order, its rows' prmt selectors and masks, and its word pointers.
+    kc_high = kc_high_ptr + b * s_khb + h * s_khh
+    kc_low = kc_low_ptr + b * s_klb + h * s_klh
+    order_ptrs = order_ptr + b * s_ob + h * s_oh
+    ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh
+    kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh
+    jq_mask = gl.expand_dims(j_b < RATIO, 0)
+    key_selector, key_mask = _bit_operands(gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1))
+    if W_HIGH > 0:
+        high_words, high_words_low, high_is_high = _key_tile_pointers(kc_high, kc_low, 0, W_HIGH, C_HIGH, D, T, KEY_BITS_HIGH)
+        high_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_HIGH))), 0), 2)
+        d_high = gl.arange(0, W_HIGH, layout=gl.SliceLayout(1, B))
+        q_high = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_high), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
+    if W_LOW > 0:
+        low_words_high, low_words, low_is_high = _key_tile_pointers(kc_high, kc_low, W_HIGH, W_LOW, C_HIGH, D, T, KEY_BITS_LOW)
+        low_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_LOW))), 0), 2)
+        d_low = W_HIGH + gl.arange(0, W_LOW, layout=gl.SliceLayout(1, B))
+        q_low = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_low), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
+    # Score rows read bit r % 8 of their bytes: their codes came out 2^(r % 8) times too large.
+    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+    key_unit = gl.expand_dims(gl.exp2(-(t_s % 8).to(gl.float32)), 1)
+
     # Value words [D / 32, T] of a plane: bit i of word w of token t is channel 32 w + i.
     VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, VALUE_BITS)
     v_word = gl.expand_dims(gl.arange(0, D // 32, layout=gl.SliceLayout(1, VALUE_WORDS)), 1)
     v_tok = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(0, VALUE_WORDS)), 0)
     vc_ptrs = vc_ptr + b * s_vcb + h * s_vch + v_tok * (BITS_V * (D // 32)) + v_word
     v_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_BITS))), 0), 2)
-    v_rot = _relabel_value_rows(
-        gl.reshape(gl.broadcast(gl.expand_dims(gl.zeros([D // 32, T], gl.int32, layout=VALUE_WORDS), 1), v_bit)[1], [D, T]),
-        D, T, A,
-    )
-    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+    v_channel = gl.expand_dims(_row_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A)), D), 1)
+    value_selector, value_mask = _bit_operands(v_channel)
+    rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    value_unit = gl.expand_dims(gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)  # channel % 8 = row % 8
     vs_ptrs = v_scale_ptr + b * s_vsb + h * s_vsh + t_s
     vz_ptrs = v_zero_ptr + b * s_vzb + h * s_vzh + t_s
-    ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + d_b
-    kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + d_b
+    PLANE_SUM_HIGH: gl.constexpr = MAGIC_VALUE * (2**PLANES_HIGH - 1)
+    PLANE_SUM_LOW: gl.constexpr = MAGIC_VALUE * (2**BITS_LOW - 1)
+    PLANE_SUM_V: gl.constexpr = MAGIC_VALUE * (2**BITS_V - 1)
+    no_scores = gl.zeros([T, BLOCK_Q], gl.float32, layout=MMA)
+    no_values = gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA)
+    l_rows = no_scores  # per-thread partial sums over the packed tokens, see below
+    zero_rows = no_scores
+    magic_rows = no_scores
 
     for group in range(split * per_split, group_end):
-        # q . (zero + code * scale) = (q * scale) . (MAGIC + code) + q . zero - MAGIC * sum(q * scale),
-        # the sum over the 16-bit rounded q * scale that the MMA multiplies.
-        k_scale = gl.load(ks_ptrs + group * D).to(gl.float32)
-        k_zero = gl.load(kz_ptrs + group * D).to(gl.float32)
-        q_scaled = (q_stored * gl.expand_dims(k_scale, 1)).to(dtype)
-        k_offset = gl.sum(q_stored * gl.expand_dims(k_zero, 1) - MAGIC_VALUE * q_scaled.to(gl.float32), 0)
+        # q . (zero + code * scale) = (q * scale) . code + q . zero. The planes carry M + 2^j * bit, so the
+        # score accumulators start at -(sum over planes of M) * sum(q * scale): an MMA of that constant
+        # with the 16-bit q * scale the planes meet, which also broadcasts it over the rows.
+        k_offset = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, B))
+        k_start = no_scores
+        if W_HIGH > 0:
+            q_high_scaled = (q_high * gl.expand_dims(gl.load(ks_ptrs + group * D + d_high).to(gl.float32), 1)).to(dtype)
+            k_offset += gl.sum(q_high * gl.expand_dims(gl.load(kz_ptrs + group * D + d_high).to(gl.float32), 1), 0)
+            if not EXACT:
+                k_start = mma_v2(gl.full([T, W_HIGH], -PLANE_SUM_HIGH, dtype, A), q_high_scaled, k_start)
+        if W_LOW > 0:
+            q_low_scaled = (q_low * gl.expand_dims(gl.load(ks_ptrs + group * D + d_low).to(gl.float32), 1)).to(dtype)
+            k_offset += gl.sum(q_low * gl.expand_dims(gl.load(kz_ptrs + group * D + d_low).to(gl.float32), 1), 0)
+            if not EXACT:
+                k_start = mma_v2(gl.full([T, W_LOW], -PLANE_SUM_LOW, dtype, A), q_low_scaled, k_start)
         k_offset = gl.expand_dims(gl.convert_layout(k_offset, gl.SliceLayout(0, MMA)), 0)
         for step in gl.static_range(G // T):
             word0 = step * (T // 32)
-            w0 = _spread(_key_words(kh_ptrs, kl_ptrs, is_high, group, word0, 0, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, C_LOW), k_bit, T, D, A, False)
-            w1 = w0
-            w2 = w0
-            w3 = w0
-            if KEY_PLANES > 1:
-                w1 = _spread(_key_words(kh_ptrs, kl_ptrs, is_high, group, word0, 1, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, C_LOW), k_bit, T, D, A, False)
-            if KEY_PLANES > 2:
-                w2 = _spread(_key_words(kh_ptrs, kl_ptrs, is_high, group, word0, 2, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, C_LOW), k_bit, T, D, A, False)
-            if KEY_PLANES > 3:
-                w3 = _spread(_key_words(kh_ptrs, kl_ptrs, is_high, group, word0, 3, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, C_LOW), k_bit, T, D, A, False)
-            keys = _unpack(w0, w1, w2, w3, k_rot, k_rot - 1, k_rot - 2, k_rot - 3, KEY_PLANES, KEY_ASM, KEY_CONSTRAINTS, q_natural)
-            scores = mma_v2(keys, gl.convert_layout(q_scaled, B), gl.zeros([T, BLOCK_Q], gl.float32, layout=MMA))
-            scores += k_offset
+            s_even = k_start
+            s_odd = no_scores
+            if W_HIGH > 0:
+                s_even, s_odd = _key_tile_scores(
+                    s_even, s_odd, high_words, high_words_low, high_is_high, group, word0, q_high_scaled,
+                    key_selector, key_mask, high_bit,
+                    PLANES_HIGH, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D, T, W_HIGH, A,
+                    MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
+                )  # fmt: skip
+            if W_LOW > 0:
+                s_even, s_odd = _key_tile_scores(
+                    s_even, s_odd, low_words_high, low_words, low_is_high, group, word0, q_low_scaled,
+                    key_selector, key_mask, low_bit,
+                    BITS_LOW, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D, T, W_LOW, A,
+                    MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
+                )  # fmt: skip
+            if EXACT:
+                scores = s_even * key_unit + k_offset
+            else:
+                scores = (s_even + 2.0 * s_odd) * key_unit + k_offset
 
             token0 = group * G + step * T
-            w0 = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(gl.load(vc_ptrs + token0 * (BITS_V * (D // 32))), 1), v_bit)[0], [D, T]), D, T, A)
-            w1 = w0
-            if BITS_V > 1:
-                w1 = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(gl.load(vc_ptrs + (token0 * BITS_V + 1) * (D // 32)), 1), v_bit)[0], [D, T]), D, T, A)
-            values = _unpack(w0, w1, w1, w1, v_rot, v_rot - 1, v_rot, v_rot, BITS_V, VALUE_ASM, VALUE_CONSTRAINTS, q_natural)
             v_scale = gl.expand_dims(gl.load(vs_ptrs + token0).to(gl.float32), 1)
             v_zero = gl.expand_dims(gl.load(vz_ptrs + token0).to(gl.float32), 1)
-
             m_new = gl.maximum(m_i, gl.max(scores, 0))
             alpha = gl.exp2(m_i - m_new)
+            alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
-            l_i = l_i * alpha + gl.sum(p, 0)
-            # p . (zero + code * scale) = (p * scale) . (MAGIC + code) + p . zero - MAGIC * sum(p * scale),
-            # summed apart from acc so that the MAGIC terms cancel before they meet the running sum.
+            # p . (zero + code * scale) = (p * scale) . code + p . zero. The sums over tokens (of p, of
+            # p * zero, of the M terms) stay per thread, rescaled like acc, and are reduced once after the loop.
             p_scaled = (p * v_scale).to(dtype)
-            v_offset = gl.sum(p * v_zero - MAGIC_VALUE * p_scaled.to(gl.float32), 0)
-            step_acc = mma_v2(values, gl.convert_layout(p_scaled, B), gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA))
-            acc = acc * gl.expand_dims(alpha, 0) + (step_acc + gl.expand_dims(v_offset, 0))
+            l_i = l_i * alpha
+            l_rows = l_rows * alpha_row + p
+            zero_rows = zero_rows * alpha_row + p * v_zero
+            if not EXACT:
+                magic_rows = magic_rows * alpha_row + p_scaled.to(gl.float32)
+            v_even = no_values
+            v_odd = no_values
+            p_operand = gl.convert_layout(p_scaled, B)
+            for plane in gl.static_range(BITS_V):
+                words = gl.load(vc_ptrs + (token0 * BITS_V + plane) * (D // 32))
+                words = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(words, 1), v_bit)[0], [D, T]), D, T, A)
+                operand = _plane_operand(words, value_selector, value_mask, MAGIC_BITS + (plane // MAGIC_DIV) * MAGIC_STEP, ASM, q_natural)
+                if EXACT or plane % 2 == 0:
+                    v_even = mma_v2(operand, p_operand, v_even)
+                else:
+                    v_odd = mma_v2(operand, p_operand, v_odd)
+            # Summed apart from acc, so that the M terms of this step meet acc already scaled to its units.
+            if EXACT:
+                acc = acc * alpha_row + v_even * value_unit
+            else:
+                acc = acc * alpha_row + (v_even + 2.0 * v_odd) * value_unit
             m_i = m_new
+    l_i += gl.sum(l_rows, 0)
+    acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
+    if not EXACT:
+        acc -= value_unit * gl.expand_dims(gl.convert_layout(PLANE_SUM_V * gl.sum(magic_rows, 0), gl.SliceLayout(0, MMA)), 0)
 
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
@@ -355,14 +464,12 @@ def _decode_split_kernel_mma(
 
     # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
     j_s = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA))
-    channel = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    if D == 128:  # value_row_channel
-        channel = (channel & 15) | ((channel >> 6) & 1) << 4 | ((channel >> 4) & 3) << 5
     rows = (b * num_heads * RATIO + h * RATIO + j_s) * num_splits + split
     j_ok = j_s < RATIO
     gl.store(m_out_ptr + rows, m_i, mask=j_ok)
     gl.store(l_out_ptr + rows, l_i, mask=j_ok)
-    gl.store(acc_out_ptr + gl.expand_dims(rows, 0) * D + gl.expand_dims(channel, 1), acc, mask=gl.expand_dims(j_ok, 0))
+    gl.store(acc_out_ptr + gl.expand_dims(rows, 0) * D + gl.expand_dims(_row_channel(rows_acc, D), 1), acc,
+             mask=gl.expand_dims(j_ok, 0))
 
 
 def launch_defaults(query: torch.Tensor, kv_programs: int, max_groups: int) -> tuple[int | None, int]:
@@ -377,6 +484,8 @@ def launch_defaults(query: torch.Tensor, kv_programs: int, max_groups: int) -> t
     return registers, _wave_filling_splits(per_multiprocessor * multiprocessors, kv_programs, max_groups)
 
 
+
+
 @functools.cache
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, ratio: int, group_size: int, num_high: int,
@@ -384,15 +493,17 @@ def kernel_constants(
 ) -> dict:
     """The split kernel's constexpr arguments for a cache of these shapes (the launcher's, and
     ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
-    magic, exact = MAGIC[dtype], dtype == torch.float16
-    key_planes = max(bits_high, bits_low)
+    exact = dtype == torch.float16
+    high_width = high_tile_width(head_dim, num_high)
+    plane_divisor = 1 if exact else 2  # planes p with the same p // divisor share a magic
     return dict(
         RATIO=ratio, BLOCK_Q=max(8, triton.next_power_of_2(ratio)), D=head_dim,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
-        MAGIC_VALUE=0.0 if exact else float(torch.tensor(magic, dtype=torch.int16).view(dtype)),
-        KEY_PLANES=key_planes, KEY_ASM=unpack_asm(key_planes, magic, exact), KEY_CONSTRAINTS=unpack_constraints(key_planes),
-        VALUE_ASM=unpack_asm(bits_value, magic, exact), VALUE_CONSTRAINTS=unpack_constraints(bits_value),
-        **layouts(head_dim),
+        W_HIGH=high_width, PLANES_HIGH=bits_high if high_width == num_high else max(bits_high, bits_low),
+        EXACT=exact, MAGIC_VALUE=0.0 if exact else float(torch.tensor(MAGIC[dtype], dtype=torch.int16).view(dtype)),
+        MAGIC_BITS=MAGIC[dtype], MAGIC_DIV=plane_divisor, MAGIC_STEP=plane_magic(dtype, plane_divisor) - MAGIC[dtype],
+        ASM=unpack_asm(exact),
+        **layouts(head_dim, high_width),
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ MASK = 0xFFFFFFFF
 
 
 def run_ptx(asm: str, operands: list[int]) -> list[int]:
-    """Execute :func:`unpack_asm`'s PTX (its five instructions) on 32-bit integers; returns $0, $1."""
+    """Execute :func:`unpack_asm`'s PTX on 32-bit integers; returns $0, $1."""
     registers = {f"${i}": value & MASK for i, value in enumerate(operands)}
 
     def value(token):
@@ -53,26 +53,55 @@ def run_ptx(asm: str, operands: list[int]) -> list[int]:
     return [registers["$0"], registers["$1"]]
 
 
-@pytest.mark.parametrize("planes", [1, 2, 3, 4])
+def float16_value(pattern: int, dtype: torch.dtype) -> float:
+    return float(torch.tensor(pattern, dtype=torch.int32).to(torch.int16).view(dtype))
+
+
+@pytest.mark.parametrize("plane", [0, 1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_unpack_asm_builds_the_codes(planes, dtype):
-    """Rows r and r + 8 of columns k and k + 1: two registers of 16-bit halves, MAGIC + code (bf16)
-    or the code itself (fp16, MAGIC subtracted in the PTX)."""
-    generator = torch.Generator().manual_seed(planes)
-    magic, exact = mma.MAGIC[dtype], dtype == torch.float16
-    asm = mma.unpack_asm(planes, magic, exact)
-    for _ in range(50):
-        codes = torch.randint(0, 2**planes, (2, 32), generator=generator)  # [column, 32 rows of a word]
-        words = pack_bits(codes, planes).view(2, planes)  # [column, plane]
-        bit = int(torch.randint(0, 24, (), generator=generator))  # row r; r + 8 stays in the word
-        operands = [0, 0]
-        for p in range(planes):
-            operands += [int(words[0, p]), int(words[1, p]), int(words[0, p]), int(words[1, p])] + [bit - p] * 4
+def test_unpack_asm_builds_plane_operands(plane, dtype):
+    """Rows r and r + 8 (bytes b, b + 1 of their word, bit j = r % 8) of columns k and k + 1: two
+    registers of 16-bit halves M + unit * 2^j * bit, with unit = M / MAGIC (bf16: 1, 1, 4, 4; fp16:
+    2^p); fp16 subtracts M, leaving unit * 2^j * bit."""
+    generator = torch.Generator().manual_seed(plane)
+    exact = dtype == torch.float16
+    magic = mma.plane_magic(dtype, plane)
+    unit = float16_value(magic, dtype) / float16_value(mma.MAGIC[dtype], dtype)
+    asm = mma.unpack_asm(exact)
+    for _ in range(100):
+        bits = torch.randint(0, 2, (2, 32), generator=generator)  # [column, 32 rows of a word]
+        words = pack_bits(bits, 1).view(2)
+        row = int(torch.randint(0, 8, (), generator=generator)) + 16 * int(torch.randint(0, 2, (), generator=generator))
+        byte, j = row // 8, row % 8
+
+        def selector(b):  # byte b of column k's word into bytes 0-1, of column k + 1's into bytes 2-3
+            return b * 0x11 + (b + 4) * 0x1100
+
+        mask = 0x10001 << j
+        operands = [0, 0, *[int(w) for w in words] * 2, selector(byte), 0, selector(byte + 1), 0, mask, 0, mask, 0]
+        operands += [magic * 0x10001] * 4
         low_row, high_row = run_ptx(asm, operands)
-        for register, row in ((low_row, bit), (high_row, bit + 8)):
-            halves = torch.tensor([register & 0xFFFF, register >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
-            offset = 0 if exact else float(torch.tensor(magic, dtype=torch.int16).view(dtype))
-            assert halves.tolist() == [offset + int(codes[0, row]), offset + int(codes[1, row])]
+        for register, r in ((low_row, row), (high_row, row + 8)):
+            halves = [float16_value(register & 0xFFFF, dtype), float16_value(register >> 16, dtype)]
+            offset = 0.0 if exact else float16_value(magic, dtype)
+            assert halves == [offset + unit * 2**j * int(bits[0, r]), offset + unit * 2**j * int(bits[1, r])]
+
+
+def test_plane_magics_leave_bit_7_clear():
+    """Row 7's bit ORs into bit 7 of M: M's bit 7 (bf16: the exponent's lowest bit) must be clear,
+    so that M | 2^7 reads M + unit * 2^7 exactly."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for plane in range(4):
+            magic = mma.plane_magic(dtype, plane)
+            unit = float16_value(magic, dtype) / float16_value(mma.MAGIC[dtype], dtype)
+            for j in range(8):
+                assert float16_value(magic | 1 << j, dtype) == float16_value(magic, dtype) + unit * 2**j
+
+
+@pytest.mark.parametrize("head_dim, num_high, width", [(128, 64, 64), (128, 52, 64), (128, 128, 128), (128, 0, 0),
+                                                        (64, 26, 32), (128, 70, 128)])
+def test_high_tile_width(head_dim, num_high, width):
+    assert mma.high_tile_width(head_dim, num_high) == width
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -120,7 +149,7 @@ def test_kernel_builds_for_sm90(preset, head_dim, dtype):
     code = (
         "import sys; sys.path.insert(0, 'tests/kernels'); import test_kernel_decode_attention_mma as t; "
         f"ptx = t.compile_for_sm90({preset!r}, {head_dim}, {dtype!r}); "
-        "print(ptx.count('mma.sync.aligned.m16n8k16'), ptx.count('prmt.b32 x, a, b'))"
+        "print(ptx.count('mma.sync.aligned.m16n8k16'), ptx.count('prmt.b32 x'))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
