@@ -353,21 +353,24 @@ def sweep_splits(device) -> list[dict]:
 
 
 def sweep_mma(device) -> list[dict]:
-    """Register cap x split count of the Gluon split kernel (pnmix-1, bf16), the default flagged."""
-    from pnmix_patch.kernels.decode_attention_mma import launch_defaults, mma_decode_attention
+    """Register cap x split count x key groups in flight of the Gluon split kernel (pnmix-1, bf16),
+    the default flagged."""
+    from pnmix_patch.kernels.decode_attention_mma import STAGES, default_splits, mma_decode_attention
 
     rows = []
-    candidates = {1: (8, 16, 22, 33, 44, 66), 8: (2, 4, 6, 8, 12, 16), 32: (1, 2, 3, 4, 8), 64: (1, 2, 4)}
+    candidates = {1: (16, 22, 33, 44, 66), 8: (4, 6, 8, 12, 16), 32: (1, 2, 3, 4), 64: (1, 2, 4)}
     for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
         args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
-        default_registers, default = launch_defaults(args[0], batch * KV_HEADS, args[5].shape[2])
-        for registers in (None, 168, 128):
-            for splits in sorted({*candidates[batch], default}):
-                ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
-                rows.append({"batch": batch, "context": tokens, "max_registers": registers, "num_splits": splits,
-                             "default": splits == default and registers == default_registers, "ms": ms})  # fmt: skip
-                print(f"  mma B={batch:2d} T={tokens:6d} registers={registers} splits={splits:3d}: {ms * 1e3:8.1f} us"
-                      + ("  (default)" if rows[-1]["default"] else ""), flush=True)
+        default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2])
+        for stages in (2, 3, 4):
+            for registers in (None, 128):
+                for splits in sorted({*candidates[batch], default}):
+                    ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers, stages=stages))
+                    flag = splits == default and registers is None and stages == STAGES
+                    rows.append({"batch": batch, "context": tokens, "stages": stages, "max_registers": registers,
+                                 "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
+                    print(f"  mma B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
+                          f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""), flush=True)
         del args
     return rows
 

@@ -55,7 +55,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
@@ -64,9 +64,9 @@ BLOCK_T = gl.constexpr(64)
 """Tokens per step: 4 warps x 16 rows of the MMA."""
 MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 """16-bit float bit patterns whose lowest mantissa bit is worth 1: 128.0 (bf16), 1024.0 (fp16)."""
-MAX_REGISTERS = 128
-"""Register cap per thread (Triton's ``maxnreg``) so that 4 programs share a multiprocessor;
-uncapped the kernel takes ~250 and 2 fit."""
+STAGES = 3
+"""Key groups whose copies into shared memory are in flight while one is computed."""
+_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
 def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: torch.Tensor,
@@ -141,6 +141,15 @@ def layouts(head_dim: int, high_width: int) -> dict:
     )
 
 
+def copy_layout(rows: int, cols: int) -> gl.BlockedLayout:
+    """A blocked layout of the 4 warps over ``[rows, cols]`` (at least 128 elements) with no element
+    held twice: each thread copies up to 4 consecutive elements of a row."""
+    vector = max(1, min(4, rows * cols // (32 * NUM_WARPS)))
+    lanes_col = min(32, cols // vector)
+    warps_col = max(1, min(NUM_WARPS, cols // (vector * lanes_col)))
+    return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
+
+
 @functools.cache
 def unpack_asm(subtract_magic: bool) -> str:
     """PTX of one plane of a 2 x 2 block of A-operand elements: ``(r, k), (r, k+1), (r+8, k), (r+8, k+1)``.
@@ -212,44 +221,65 @@ def _plane_operand(words, selector, mask, MAGIC_BITS: gl.constexpr, ASM: gl.cons
 
 
 @gluon.jit
-def _key_words(kh_ptrs, kl_ptrs, is_high, group, word0, p: gl.constexpr, BITS_HIGH: gl.constexpr,
-               BITS_LOW: gl.constexpr, WORDS: gl.constexpr, C_HIGH: gl.constexpr, C_LOW: gl.constexpr):
-    """Plane ``p`` of a key tile's words ``[T / 32, W]`` of one step: stored channel c < C_HIGH from
-    the selected-channel codes, the others from the low ones; 0 for a channel with fewer planes."""
-    high = kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word0) * C_HIGH
-    low = kl_ptrs + ((group * BITS_LOW + p) * WORDS + word0) * C_LOW
-    if p < BITS_HIGH and p < BITS_LOW:
-        words = gl.load(gl.where(is_high, high, low))
-    elif p < BITS_HIGH:
-        words = gl.load(high, mask=is_high, other=0)
-    else:
-        words = gl.load(low, mask=~is_high, other=0)
-    return words
+def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low, v_codes,
+                      D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
+                      BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, PLANES: gl.constexpr,
+                      COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
+    """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
+    bases) into ``stage`` of the shared buffers: per plane p its ``[G / 32, D]`` key words in stored
+    channel order (zeros where a channel has fewer planes) and the value words ``[G, b_V * D / 32]``.
+    Nothing is read when not ``valid`` (a group past this split's end)."""
+    WORDS: gl.constexpr = G // 32
+    word = gl.expand_dims(gl.arange(0, WORDS, layout=gl.SliceLayout(1, COPY_KEYS)), 1)
+    channel = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, COPY_KEYS)), 0)
+    is_high = channel < C_HIGH
+    for p in gl.static_range(PLANES):
+        high = kc_high + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH + channel
+        low = kc_low + ((group * BITS_LOW + p) * WORDS + word) * (D - C_HIGH) + (channel - C_HIGH)
+        if p < BITS_HIGH and p < BITS_LOW:
+            present = valid
+        elif p < BITS_HIGH:
+            present = is_high & valid
+        else:
+            present = (~is_high) & valid
+        async_copy.async_copy_global_to_shared(key_smem.index(stage * PLANES + p), gl.where(is_high, high, low),
+                                               mask=present)
+    token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
+    column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(0, COPY_VALUES)), 0)
+    async_copy.async_copy_global_to_shared(value_smem.index(stage),
+                                           v_codes + (group * G + token) * (BITS_V * (D // 32)) + column, mask=valid)
 
 
 @gluon.jit
-def _key_tile_pointers(kc_high_ptr, kc_low_ptr, C0: gl.constexpr, W: gl.constexpr, C_HIGH: gl.constexpr,
-                       D: gl.constexpr, T: gl.constexpr, KEY_BITS: gl.constexpr):
-    """Word pointers ``[T / 32, W]`` of stored channels ``[C0, C0 + W)`` into both code tensors of a
-    head (bit t of word w is token 32 w + t of a step), and which of the channels are selected."""
-    KEY_WORDS: gl.constexpr = gl.SliceLayout(1, KEY_BITS)
-    word = gl.expand_dims(gl.arange(0, T // 32, layout=gl.SliceLayout(1, KEY_WORDS)), 1)
-    channel = C0 + gl.expand_dims(gl.arange(0, W, layout=gl.SliceLayout(0, KEY_WORDS)), 0)
-    high = kc_high_ptr + word * C_HIGH + channel
-    low = kc_low_ptr + word * (D - C_HIGH) + (channel - C_HIGH)
-    return high, low, channel < C_HIGH
+def _load_group_params(group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.constexpr, G: gl.constexpr,
+                       PARAMS_D: gl.constexpr, PARAMS_G: gl.constexpr):
+    """Key scale and zero ``[D]`` and value scale and zero ``[G]`` of key group ``group`` (16-bit, any
+    alignment: plain loads, stored to shared memory later by :func:`_store_group_params`)."""
+    d = gl.arange(0, D, layout=PARAMS_D)
+    t = gl.arange(0, G, layout=PARAMS_G)
+    return (gl.load(k_scale + group * D + d, mask=valid), gl.load(k_zero + group * D + d, mask=valid),
+            gl.load(v_scale + group * G + t, mask=valid), gl.load(v_zero + group * G + t, mask=valid))
 
 
 @gluon.jit
-def _key_tile_scores(s_even, s_odd, kh_ptrs, kl_ptrs, is_high, group, word0, q_tile, selector, mask, bit3,
-                     PLANES: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, WORDS: gl.constexpr,
-                     C_HIGH: gl.constexpr, D: gl.constexpr, T: gl.constexpr, W: gl.constexpr, A: gl.constexpr,
+def _store_group_params(key_param_smem, value_param_smem, stage, params):
+    key_param_smem.index(2 * stage).store(params[0])
+    key_param_smem.index(2 * stage + 1).store(params[1])
+    value_param_smem.index(2 * stage).store(params[2])
+    value_param_smem.index(2 * stage + 1).store(params[3])
+
+
+@gluon.jit
+def _key_tile_scores(s_even, s_odd, key_smem, stage, WORD0: gl.constexpr, q_tile, selector, mask, bit3,
+                     C0: gl.constexpr, W: gl.constexpr, PLANES: gl.constexpr, TILE_PLANES: gl.constexpr,
+                     T: gl.constexpr, A: gl.constexpr, KEY_BITS: gl.constexpr,
                      MAGIC_BITS: gl.constexpr, MAGIC_STEP: gl.constexpr, MAGIC_DIV: gl.constexpr,
                      EXACT: gl.constexpr, ASM: gl.constexpr):
-    """Add one key tile's planes times ``q_tile`` to the score accumulators (bf16: odd planes
-    to ``s_odd``, which counts twice; see :func:`plane_magic`)."""
-    for p in gl.static_range(PLANES):
-        words = _key_words(kh_ptrs, kl_ptrs, is_high, group, word0, p, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D - C_HIGH)
+    """Add the planes of stored channels ``[C0, C0 + W)`` of one step (``TILE_PLANES`` of the buffer's
+    ``PLANES``) times ``q_tile`` to the score accumulators (bf16: odd planes to ``s_odd``, which
+    counts twice; see :func:`plane_magic`)."""
+    for p in gl.static_range(TILE_PLANES):
+        words = key_smem.index(stage * PLANES + p).slice(WORD0, T // 32, 0).slice(C0, W, 1).load(gl.SliceLayout(1, KEY_BITS))
         operand = _plane_operand(_spread(words, bit3, T, W, A), selector, mask,
                                  MAGIC_BITS + (p // MAGIC_DIV) * MAGIC_STEP, ASM, q_tile)
         if EXACT or p % 2 == 0:
@@ -257,6 +287,7 @@ def _key_tile_scores(s_even, s_odd, kh_ptrs, kl_ptrs, is_high, group, word0, q_t
         else:
             s_odd = mma_v2(operand, q_tile, s_odd)
     return s_even, s_odd
+
 
 @gluon.jit
 def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLOCK_Q: gl.constexpr,
@@ -305,6 +336,8 @@ def _decode_split_kernel_mma(
     MAGIC_DIV: gl.constexpr, ASM: gl.constexpr,
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
     KEY_BITS_HIGH: gl.constexpr, KEY_BITS_LOW: gl.constexpr, VALUE_BITS: gl.constexpr,
+    STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
+    PARAMS_G: gl.constexpr,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -336,22 +369,34 @@ def _decode_split_kernel_mma(
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes),
-    # each with the query in stored order, its rows' prmt selectors and masks, and its word pointers.
+    # Shared buffers: STAGES key groups in flight (asynchronous copies), read back in the operand layouts.
+    PLANES: gl.constexpr = PLANES_HIGH if PLANES_HIGH > BITS_LOW else BITS_LOW
+    # (Buffers are indexed along their first dim; the layouts describe the rest.)
+    SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+    scale_dtype: gl.constexpr = k_scale_ptr.dtype.element_ty
+    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES * PLANES, WORDS, D], SHARED_2D)  # [stage * PLANES + plane]
+    key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, D], SHARED_1D)  # [2 stage]: scale, [2 stage + 1]: zero
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, G, BITS_V * (D // 32)], SHARED_2D)
+    value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, G], SHARED_1D)
     kc_high = kc_high_ptr + b * s_khb + h * s_khh
     kc_low = kc_low_ptr + b * s_klb + h * s_klh
+    k_scale = k_scale_ptr + b * s_ksb + h * s_ksh
+    k_zero = k_zero_ptr + b * s_kzb + h * s_kzh
+    v_codes = vc_ptr + b * s_vcb + h * s_vch
+    v_scale = v_scale_ptr + b * s_vsb + h * s_vsh
+    v_zero = v_zero_ptr + b * s_vzb + h * s_vzh
+
+    # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes),
+    # each with the query in stored order; the rows' prmt selectors and masks.
     order_ptrs = order_ptr + b * s_ob + h * s_oh
-    ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh
-    kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh
     jq_mask = gl.expand_dims(j_b < RATIO, 0)
     key_selector, key_mask = _bit_operands(gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1))
     if W_HIGH > 0:
-        high_words, high_words_low, high_is_high = _key_tile_pointers(kc_high, kc_low, 0, W_HIGH, C_HIGH, D, T, KEY_BITS_HIGH)
         high_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_HIGH))), 0), 2)
         d_high = gl.arange(0, W_HIGH, layout=gl.SliceLayout(1, B))
         q_high = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_high), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
     if W_LOW > 0:
-        low_words_high, low_words, low_is_high = _key_tile_pointers(kc_high, kc_low, W_HIGH, W_LOW, C_HIGH, D, T, KEY_BITS_LOW)
         low_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_LOW))), 0), 2)
         d_low = W_HIGH + gl.arange(0, W_LOW, layout=gl.SliceLayout(1, B))
         q_low = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_low), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
@@ -361,16 +406,11 @@ def _decode_split_kernel_mma(
 
     # Value words [D / 32, T] of a plane: bit i of word w of token t is channel 32 w + i.
     VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, VALUE_BITS)
-    v_word = gl.expand_dims(gl.arange(0, D // 32, layout=gl.SliceLayout(1, VALUE_WORDS)), 1)
-    v_tok = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(0, VALUE_WORDS)), 0)
-    vc_ptrs = vc_ptr + b * s_vcb + h * s_vch + v_tok * (BITS_V * (D // 32)) + v_word
     v_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_BITS))), 0), 2)
     v_channel = gl.expand_dims(_row_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A)), D), 1)
     value_selector, value_mask = _bit_operands(v_channel)
     rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
     value_unit = gl.expand_dims(gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)  # channel % 8 = row % 8
-    vs_ptrs = v_scale_ptr + b * s_vsb + h * s_vsh + t_s
-    vz_ptrs = v_zero_ptr + b * s_vzb + h * s_vzh + t_s
     PLANE_SUM_HIGH: gl.constexpr = MAGIC_VALUE * (2**PLANES_HIGH - 1)
     PLANE_SUM_LOW: gl.constexpr = MAGIC_VALUE * (2**BITS_LOW - 1)
     PLANE_SUM_V: gl.constexpr = MAGIC_VALUE * (2**BITS_V - 1)
@@ -380,67 +420,84 @@ def _decode_split_kernel_mma(
     zero_rows = no_scores
     magic_rows = no_scores
 
-    for group in range(split * per_split, group_end):
+    group_start = split * per_split
+    for i in gl.static_range(STAGES - 1):
+        _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
+                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, PLANES, COPY_KEYS, COPY_VALUES)
+        async_copy.commit_group()
+        params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
+                                    D, G, PARAMS_D, PARAMS_G)  # fmt: skip
+        _store_group_params(key_param_smem, value_param_smem, i, params)
+    for group in range(group_start, group_end):
+        # Start reading group + STAGES - 1 into the buffers the last group was read from (its scales
+        # and zeros wait in registers until this group is done), then wait for this group's codes.
+        ahead = group + STAGES - 1
+        ahead_stage = (ahead - group_start) % STAGES
+        _copy_group_codes(key_smem, value_smem, ahead_stage, ahead, ahead < group_end, kc_high, kc_low,
+                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, PLANES, COPY_KEYS, COPY_VALUES)
+        async_copy.commit_group()
+        params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
+        async_copy.wait_group(STAGES - 1)
+        _barrier()
+        stage = (group - group_start) % STAGES
         # q . (zero + code * scale) = (q * scale) . code + q . zero. The planes carry M + 2^j * bit, so the
         # score accumulators start at -(sum over planes of M) * sum(q * scale): an MMA of that constant
         # with the 16-bit q * scale the planes meet, which also broadcasts it over the rows.
         k_offset = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, B))
         k_start = no_scores
         if W_HIGH > 0:
-            q_high_scaled = (q_high * gl.expand_dims(gl.load(ks_ptrs + group * D + d_high).to(gl.float32), 1)).to(dtype)
-            k_offset += gl.sum(q_high * gl.expand_dims(gl.load(kz_ptrs + group * D + d_high).to(gl.float32), 1), 0)
+            scale = key_param_smem.index(2 * stage).slice(0, W_HIGH).load(gl.SliceLayout(1, B)).to(gl.float32)
+            zero = key_param_smem.index(2 * stage + 1).slice(0, W_HIGH).load(gl.SliceLayout(1, B)).to(gl.float32)
+            q_high_scaled = (q_high * gl.expand_dims(scale, 1)).to(dtype)
+            k_offset += gl.sum(q_high * gl.expand_dims(zero, 1), 0)
             if not EXACT:
                 k_start = mma_v2(gl.full([T, W_HIGH], -PLANE_SUM_HIGH, dtype, A), q_high_scaled, k_start)
         if W_LOW > 0:
-            q_low_scaled = (q_low * gl.expand_dims(gl.load(ks_ptrs + group * D + d_low).to(gl.float32), 1)).to(dtype)
-            k_offset += gl.sum(q_low * gl.expand_dims(gl.load(kz_ptrs + group * D + d_low).to(gl.float32), 1), 0)
+            scale = key_param_smem.index(2 * stage).slice(W_HIGH, W_LOW).load(gl.SliceLayout(1, B)).to(gl.float32)
+            zero = key_param_smem.index(2 * stage + 1).slice(W_HIGH, W_LOW).load(gl.SliceLayout(1, B)).to(gl.float32)
+            q_low_scaled = (q_low * gl.expand_dims(scale, 1)).to(dtype)
+            k_offset += gl.sum(q_low * gl.expand_dims(zero, 1), 0)
             if not EXACT:
                 k_start = mma_v2(gl.full([T, W_LOW], -PLANE_SUM_LOW, dtype, A), q_low_scaled, k_start)
         k_offset = gl.expand_dims(gl.convert_layout(k_offset, gl.SliceLayout(0, MMA)), 0)
         for step in gl.static_range(G // T):
-            word0 = step * (T // 32)
             s_even = k_start
             s_odd = no_scores
             if W_HIGH > 0:
                 s_even, s_odd = _key_tile_scores(
-                    s_even, s_odd, high_words, high_words_low, high_is_high, group, word0, q_high_scaled,
-                    key_selector, key_mask, high_bit,
-                    PLANES_HIGH, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D, T, W_HIGH, A,
-                    MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
+                    s_even, s_odd, key_smem, stage, step * (T // 32), q_high_scaled, key_selector, key_mask, high_bit,
+                    0, W_HIGH, PLANES, PLANES_HIGH, T, A, KEY_BITS_HIGH, MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
                 )  # fmt: skip
             if W_LOW > 0:
                 s_even, s_odd = _key_tile_scores(
-                    s_even, s_odd, low_words_high, low_words, low_is_high, group, word0, q_low_scaled,
-                    key_selector, key_mask, low_bit,
-                    BITS_LOW, BITS_HIGH, BITS_LOW, WORDS, C_HIGH, D, T, W_LOW, A,
-                    MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
+                    s_even, s_odd, key_smem, stage, step * (T // 32), q_low_scaled, key_selector, key_mask, low_bit,
+                    W_HIGH, W_LOW, PLANES, BITS_LOW, T, A, KEY_BITS_LOW, MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
                 )  # fmt: skip
             if EXACT:
                 scores = s_even * key_unit + k_offset
             else:
                 scores = (s_even + 2.0 * s_odd) * key_unit + k_offset
 
-            token0 = group * G + step * T
-            v_scale = gl.expand_dims(gl.load(vs_ptrs + token0).to(gl.float32), 1)
-            v_zero = gl.expand_dims(gl.load(vz_ptrs + token0).to(gl.float32), 1)
+            token_scale = gl.expand_dims(value_param_smem.index(2 * stage).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
+            token_zero = gl.expand_dims(value_param_smem.index(2 * stage + 1).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
             m_new = gl.maximum(m_i, gl.max(scores, 0))
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
             # p . (zero + code * scale) = (p * scale) . code + p . zero. The sums over tokens (of p, of
             # p * zero, of the M terms) stay per thread, rescaled like acc, and are reduced once after the loop.
-            p_scaled = (p * v_scale).to(dtype)
+            p_scaled = (p * token_scale).to(dtype)
             l_i = l_i * alpha
             l_rows = l_rows * alpha_row + p
-            zero_rows = zero_rows * alpha_row + p * v_zero
+            zero_rows = zero_rows * alpha_row + p * token_zero
             if not EXACT:
                 magic_rows = magic_rows * alpha_row + p_scaled.to(gl.float32)
             v_even = no_values
             v_odd = no_values
             p_operand = gl.convert_layout(p_scaled, B)
             for plane in gl.static_range(BITS_V):
-                words = gl.load(vc_ptrs + (token0 * BITS_V + plane) * (D // 32))
-                words = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(words, 1), v_bit)[0], [D, T]), D, T, A)
+                words = value_smem.index(stage).slice(step * T, T, 0).slice(plane * (D // 32), D // 32, 1).permute([1, 0])
+                words = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(words.load(VALUE_WORDS), 1), v_bit)[0], [D, T]), D, T, A)
                 operand = _plane_operand(words, value_selector, value_mask, MAGIC_BITS + (plane // MAGIC_DIV) * MAGIC_STEP, ASM, q_natural)
                 if EXACT or plane % 2 == 0:
                     v_even = mma_v2(operand, p_operand, v_even)
@@ -452,6 +509,9 @@ def _decode_split_kernel_mma(
             else:
                 acc = acc * alpha_row + (v_even + 2.0 * v_odd) * value_unit
             m_i = m_new
+        _store_group_params(key_param_smem, value_param_smem, ahead_stage, params)
+        _barrier()  # every warp is done with this stage before the next iteration refills it
+    async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
     if not EXACT:
@@ -472,24 +532,19 @@ def _decode_split_kernel_mma(
              mask=gl.expand_dims(j_ok, 0))
 
 
-def launch_defaults(query: torch.Tensor, kv_programs: int, max_groups: int) -> tuple[int | None, int]:
-    """Register cap and split count. Measured on an H200 (``bench_attention.py --sweep-mma``):
-    with at most 128 registers, 4 programs per multiprocessor, the fastest at batch 8 to 64
-    (batch 8, 16K: 189.7 us against 253.6 uncapped); when the KV heads number under a quarter
-    of the multiprocessors (single-stream decoding), 2 uncapped programs per multiprocessor with
-    twice the work each (batch 1, 32K: 46.0 us against 54.6). The split count fills the program
-    slots in waves at least 95% full, as for the Triton kernel."""
-    multiprocessors = _multiprocessors(query.device.index)
-    registers, per_multiprocessor = (None, 2) if 4 * kv_programs < multiprocessors else (MAX_REGISTERS, 4)
-    return registers, _wave_filling_splits(per_multiprocessor * multiprocessors, kv_programs, max_groups)
-
-
+def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int) -> int:
+    """Split count: the kernel runs with the compiler's register choice (~210 per thread: 2 programs
+    per multiprocessor), and the splits fill those slots in waves at least 95% full. Measured on an H200 (``bench_attention.py --sweep-mma``, pnmix-1, bf16): with the
+    groups copied asynchronously into shared memory, uncapped beats the 128-register cap (4 programs
+    per multiprocessor, spilling) everywhere: batch 1 / 32K 28.4 against 35.4 us, batch 8 / 16K 92.6
+    against 111.6, batch 32 / 16K 350.1 against 393.1, batch 64 / 16K 689.5 against 766.2."""
+    return _wave_filling_splits(2 * _multiprocessors(query.device.index), kv_programs, max_groups)
 
 
 @functools.cache
 def kernel_constants(
     dtype: torch.dtype, head_dim: int, ratio: int, group_size: int, num_high: int,
-    bits_high: int, bits_low: int, bits_value: int,
+    bits_high: int, bits_low: int, bits_value: int, stages: int = STAGES,
 ) -> dict:
     """The split kernel's constexpr arguments for a cache of these shapes (the launcher's, and
     ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
@@ -502,7 +557,9 @@ def kernel_constants(
         W_HIGH=high_width, PLANES_HIGH=bits_high if high_width == num_high else max(bits_high, bits_low),
         EXACT=exact, MAGIC_VALUE=0.0 if exact else float(torch.tensor(MAGIC[dtype], dtype=torch.int16).view(dtype)),
         MAGIC_BITS=MAGIC[dtype], MAGIC_DIV=plane_divisor, MAGIC_STEP=plane_magic(dtype, plane_divisor) - MAGIC[dtype],
-        ASM=unpack_asm(exact),
+        ASM=unpack_asm(exact), STAGES=stages,
+        COPY_KEYS=copy_layout(group_size // 32, head_dim), COPY_VALUES=copy_layout(group_size, bits_value * head_dim // 32),
+        PARAMS_D=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]), PARAMS_G=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]),
         **layouts(head_dim, high_width),
     )  # fmt: skip
 
@@ -513,24 +570,23 @@ def mma_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    max_registers: int | None | str = "default",
+    max_registers: int | None = None, stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
 
-    The caller checks :func:`supports`. ``num_splits`` and ``max_registers`` (per thread;
-    ``None``: the compiler's choice) override :func:`launch_defaults` (benchmarks sweep them).
+    The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
+    ``max_registers`` (per thread, Triton's ``maxnreg``; default the compiler's choice) and ``stages``
+    (key groups in flight) are for benchmarks that sweep them.
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
-    default_registers, default_split_count = launch_defaults(query, batch * heads, group_cap)
-    num_splits = default_split_count if num_splits is None else num_splits
-    max_registers = default_registers if max_registers == "default" else max_registers
+    num_splits = default_splits(query, batch * heads, group_cap) if num_splits is None else num_splits
     constants = dict(
         kernel_constants(
             query.dtype, head_dim, q_heads // heads, 32 * words, c_high,
-            bits_high, key_codes_low.shape[3], value_codes.shape[3],
+            bits_high, key_codes_low.shape[3], value_codes.shape[3], stages,
         ),
         num_warps=NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers}),
     )  # fmt: skip

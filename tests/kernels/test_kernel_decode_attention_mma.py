@@ -137,7 +137,7 @@ def compile_for_sm90(preset: str, head_dim: int, dtype_name: str) -> str:
     }  # fmt: skip
     compiled = triton.compile(
         GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": mma.NUM_WARPS, "maxnreg": mma.MAX_REGISTERS},
+        options={"num_warps": mma.NUM_WARPS},
     )  # fmt: skip
     return compiled.asm["ptx"]
 
@@ -203,13 +203,13 @@ def test_launch_passes_every_kernel_argument(monkeypatch):
             return lambda *args, **kwargs: calls.append((grid, args, kwargs))
 
     monkeypatch.setattr(mma, "_decode_split_kernel_mma", Recorder())
-    monkeypatch.setattr(mma, "launch_defaults", lambda query, kv_programs, max_groups: (128, 2))
+    monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups: 2)
     args = decode_inputs(seeded(), "pnmix-1", 128, 4, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
     mma.mma_decode_attention(*args)
     (grid, positional, keywords), = calls
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
-    assert len(positional) + len(keywords) - 2 == len(names)  # num_warps and maxnreg are launch options
-    assert set(keywords) - {"num_warps", "maxnreg"} == set(names[len(positional):])
+    assert len(positional) + len(keywords) - 1 == len(names)  # num_warps is a launch option
+    assert set(keywords) - {"num_warps"} == set(names[len(positional):])
     assert positional[names.index("group_cap")] == args[5].shape[2]
     assert keywords["D"] == 128 and keywords["G"] == 128 and keywords["BLOCK_Q"] == 8
