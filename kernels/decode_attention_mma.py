@@ -9,7 +9,7 @@ and for the CPU interpreter, which cannot run Gluon.
 Why a second kernel: in Triton, a tile computed in registers reaches ``tl.dot`` only
 through shared memory (a layout conversion per tile), and Triton decides which thread
 holds which code. Gluon states layouts explicitly, so here each thread unpacks exactly the
-codes its ``mma.sync`` fragments need, from the packed words it loads itself:
+codes its ``mma.sync`` fragments need, from the packed words it reads itself:
 
 - The packed codes are the *A* operand (16 x 16 fragments; a thread holds rows r, r + 8
   and column pairs k, k + 1). Keys: ``scores^T [T, Hq] = planes [T tokens, D] @ (q *
@@ -31,14 +31,20 @@ codes its ``mma.sync`` fragments need, from the packed words it loads itself:
 - bf16 (7 mantissa bits): ``M`` is 128 for planes 0 and 1, 512 for planes 2 and 3 (an
   exponent with bit 7 clear, so that bit 7, row 7, ORs in exactly: 128 | 128 reads 256);
   odd planes accumulate apart and count twice. The ``M`` terms (``M * sum(operand)`` per
-  plane) are subtracted per head, from the accumulator's start value. fp16: ``M = 1024 *
+  plane) are subtracted per head: for keys from the score accumulators' start value, for
+  values once after the loop (the sums of ``p * scale`` stay per thread, rescaled like the
+  output, as do the sums of ``p`` and ``p * zero``). fp16: ``M = 1024 *
   2^p`` and the PTX subtracts it (``sub.f16x2``, exact), because 1024 times the sums cost
   10 bits of the tensor cores' float32 accumulation (relative error 4.7e-3 against 5e-4 on
   an H200, measured with the previous form of this kernel).
-- The word tensors are loaded once per thread in a layout that is the A-operand layout
-  with the row split into (word, bit) and the bit dimension dropped
-  (``DistributedLinearLayout``); broadcasting back over the bits and reshaping is free
-  (``convert_layout(..., assert_trivial=True)`` checks it at compile time).
+- Key groups are staged in shared memory: ``cp.async`` copies of the codes of ``STAGES``
+  groups are in flight while one is computed (the 16-bit scales and zeros, whose alignment
+  ``cp.async`` cannot assume, go through registers and are stored when the group before is
+  done). Without it the kernel waited on memory: the same instructions took 1.5-2x as long.
+- The words are read from shared memory in a layout that is the A-operand layout with the
+  row split into (word, bit) and the bit dimension dropped (``DistributedLinearLayout``);
+  broadcasting back over the bits and reshaping is free (``convert_layout(...,
+  assert_trivial=True)`` checks it at compile time).
 - Value rows are channels in a permuted order (:func:`value_row_channel`) so that the four
   rows a thread holds share one word; the output rows are mapped back at the store.
 
