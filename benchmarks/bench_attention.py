@@ -1,7 +1,7 @@
 """Decode attention on the GPU: correctness first, then PN-Mix kernels vs bf16 SDPA, side by side.
 
     python benchmarks/bench_attention.py [--out DIR] [--quick]
-    python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's register cap x split count
+    python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's groups in flight x register cap x splits
 
 1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
    and bf16); fused decode attention against the float32 reference (relative error,
@@ -383,7 +383,7 @@ def main() -> None:
     parser.add_argument("--append-only", action="store_true", help="only the decode append's cost (and its bit-exactness)")
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
-    parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's register-cap and split sweep")
+    parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's groups-in-flight, register-cap and split sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)

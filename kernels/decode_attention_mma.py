@@ -269,6 +269,7 @@ def _load_group_params(group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.con
 
 @gluon.jit
 def _store_group_params(key_param_smem, value_param_smem, stage, params):
+    """Store :func:`_load_group_params`' tensors into ``stage`` of the shared buffers."""
     key_param_smem.index(2 * stage).store(params[0])
     key_param_smem.index(2 * stage + 1).store(params[1])
     value_param_smem.index(2 * stage).store(params[2])
