@@ -117,6 +117,16 @@ def test_value_rows_share_a_word_per_thread(head_dim):
             assert channels[row] // 32 == channels[row + 64] // 32
 
 
+@pytest.mark.parametrize("rows, cols", [(2, 64), (4, 64), (2, 128), (4, 128), (8, 128), (64, 4), (128, 4), (64, 8), (128, 8)])
+def test_copy_layout_holds_each_element_once(rows, cols):
+    """The cp.async layouts of the key words ``[G / 32, D]`` and value words ``[G, b_V * D / 32]``:
+    one CTA tile of the layout fits inside the shape (no element held by two threads) and tiles it."""
+    layout = mma.copy_layout(rows, cols)
+    tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
+    assert tile[0] <= rows and tile[1] <= cols and rows % tile[0] == 0 and cols % tile[1] == 0
+    assert layout.size_per_thread[1] <= 4 and (layout.threads_per_warp[0] * layout.threads_per_warp[1]) == 32
+
+
 def compile_for_sm90(preset: str, head_dim: int, dtype_name: str) -> str:
     """PTX of the split kernel built for an H100/H200 (sm_90) on this machine; run without
     ``TRITON_INTERPRET`` (the interpreter replaces the language functions the compiler needs)."""
