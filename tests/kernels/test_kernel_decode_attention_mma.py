@@ -32,12 +32,7 @@ def run_ptx(asm: str, operands: list[int]) -> list[int]:
         if not match or match.group(1) == ".reg":
             continue
         op, target, args = match.group(1), match.group(2), [value(a) for a in match.group(3).split(", ")]
-        if op == "mov.b32":
-            result = args[0]
-        elif op == "shf.r.wrap.b32":  # funnel shift of {hi, lo} right by amount mod 32
-            wide, shift = (args[1] << 32) | args[0], args[2] & 31
-            result = (wide >> shift) & MASK
-        elif op == "prmt.b32":  # byte i of the result = byte selector[i] of {b, a}
+        if op == "prmt.b32":  # byte i of the result = byte selector[i] of {b, a}
             source = (args[1] << 32) | args[0]
             result = sum(((source >> (8 * ((args[2] >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
         elif op == "sub.rn.f16x2":
