@@ -1,7 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
-        [--contexts 1024 32768] [--compiled-only] [--profile]
+        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed]
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
    its PyTorch reference, bit-exact, on CUDA; a tiny patched Llama decoding greedily with
@@ -17,7 +17,11 @@
      (no expanded copy), compiled the same way;
    - ``pnmix-compiled``: ``patch_model(model, "pnmix-1")`` + ``PNMixStaticCache``, compiled
      the same way;
-   - ``pnmix-eager`` (the dynamic ``PNMixCache``) and ``bf16-eager`` (``DynamicCache``).
+   - ``pnmix-eager`` (the dynamic ``PNMixCache``) and ``bf16-eager`` (``DynamicCache``);
+   - with ``--graphed``: ``bf16-graphed-fair`` and ``pnmix-graphed``, the same two caches and
+     attentions as the fair bf16 and PN-Mix compiled variants, compiled without CUDA graphs and
+     replayed by :class:`pnmix_patch.GraphedDecodeStep` (one captured graph, no guards or input
+     gathering per call).
 
    Caches are brought to the context length synthetically (a 64-token prefill, then
    random keys/values or random codes and the lengths set on the device): decode time
@@ -47,6 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +60,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache,
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from pnmix_patch import new_cache, patch_model, unpatch_model
+from pnmix_patch import GraphedDecodeStep, new_cache, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
 from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
@@ -317,7 +322,7 @@ def prefill(model, cache, name, batch=1, tokens=PROMPT):
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
-def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False) -> list[dict]:
+def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False) -> list[dict]:
     config = model_config(model_name)
     torch.manual_seed(0)
     with torch.device(device):
@@ -341,15 +346,21 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         torch._dynamo.reset()
         return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
+    def graphed_forward(cache):
+        torch._dynamo.reset()
+        step = GraphedDecodeStep(model, cache)
+        return lambda input_ids, **_: SimpleNamespace(logits=step(input_ids))
+
     # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
     variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
+    variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
     for variant, attention in variants:
         model.set_attn_implementation(attention)
         for context in contexts if variant.endswith("fair") else contexts[-1:]:
             cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
             prefill(model, cache, name)
             cache_bytes = fill_bf16(cache, context)
-            forward = compiled_forward()
+            forward = graphed_forward(cache) if "graphed" in variant else compiled_forward()
             times = time_steps(forward, model, cache, name)
             record(variant, context, times, cache_bytes, profile_steps(forward, model, cache, name) if profile else None)
             del cache, forward
@@ -362,18 +373,24 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         record("bf16-eager", context, time_steps(model.forward, model, cache, name), cache_bytes)
         del cache
     # PN-Mix: one static size for all contexts (the kernels read only the valid lengths).
+    # One graph (or compile) serves every context: reset() keeps the addresses.
     patch_model(model, "pnmix-1")
     static = new_cache(model, max(contexts) + WARMUP + STEPS + PROMPT, static=True)
     prefill(model, static, name)
     forward = compiled_forward()
     counters.clear()
-    for context in contexts:
-        static.reset()
-        prefill(model, static, name)
-        cache_bytes = fill_pnmix(static, context)
-        times = time_steps(forward, model, static, name)
-        record("pnmix-compiled", context, times, cache_bytes, profile_steps(forward, model, static, name) if profile else None)
-    skips = dict(counters["inductor"])
+    for variant in ("pnmix-compiled", "pnmix-graphed") if graphed else ("pnmix-compiled",):
+        if variant == "pnmix-graphed":
+            forward = graphed_forward(static)
+        for context in contexts:
+            static.reset()
+            prefill(model, static, name)
+            cache_bytes = fill_pnmix(static, context)
+            times = time_steps(forward, model, static, name)
+            record(variant, context, times, cache_bytes, profile_steps(forward, model, static, name) if profile else None)
+        if variant == "pnmix-compiled":
+            skips = dict(counters["inductor"])  # CUDA-graph skips of reduce-overhead, if any
+    del forward
     del static
     for context in () if compiled_only else contexts:
         cache = new_cache(model)
@@ -396,6 +413,8 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="default: 1024 8192 32768")
     parser.add_argument("--compiled-only", action="store_true", help="only bf16-compiled-fair and pnmix-compiled")
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
+    parser.add_argument("--graphed", action="store_true",
+                        help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
@@ -415,7 +434,7 @@ def main() -> None:
     rows = [
         row
         for model_name in args.model
-        for row in time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile)
+        for row in time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed)
     ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {

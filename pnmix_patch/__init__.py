@@ -8,6 +8,7 @@ mixed precision) and values at 2 bits. See ``README.md`` and ``shared/PNMIX_SPEC
 from .api import is_patched, new_cache, patch_model, unpatch_model
 from .cache import PNMixCache, PNMixLayer
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
+from .graphed_decode import GraphedDecodeStep
 from .patches import SUPPORTED_MODEL_TYPES
 from .static_cache import PNMixStaticCache, PNMixStaticLayer
 
@@ -17,6 +18,7 @@ __all__ = [
     "PRESETS",
     "SELECTION_CRITERIA",
     "SUPPORTED_MODEL_TYPES",
+    "GraphedDecodeStep",
     "PNMixCache",
     "PNMixConfig",
     "PNMixLayer",

@@ -1,0 +1,115 @@
+"""A decode step captured once as a CUDA graph and replayed with no per-call Python work.
+
+``torch.compile(model.forward, mode="reduce-overhead")`` replays a CUDA graph too, but every
+call first runs Dynamo's guards, gathers the graph's inputs (every weight and every cache
+tensor, ~1,000 of them for a 36-layer model with a PN-Mix static cache) and lets the CUDA-graph
+tree check their addresses and bump the version counters of the mutated ones. At batch 1 that
+host work (1-2 ms per call measured on an H200 host) is as long as a third of the GPU's step,
+and a loop that reads each token before feeding it back waits for it on every step.
+
+:class:`GraphedDecodeStep` is the gpt-fast pattern without that layer: the step is compiled
+(``fullgraph=True``, no CUDA graphs of its own), run for real a few times, then captured once
+with ``torch.cuda.graph`` around a static input buffer. A call copies the token ids into that
+buffer and replays the graph: no guards, no input gathering. It needs a cache whose decode step
+is free of host synchronization and keeps its storage in place (:class:`~pnmix_patch.PNMixStaticCache`,
+or transformers' ``StaticCache``): everything the step changes (tokens written, residual buffers
+flushed, lengths) is then device work inside the graph. On CPU no graph is captured and a call
+runs the compiled step.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+class GraphedDecodeStep:
+    """One decode step of ``model`` on ``cache``, replayed as a CUDA graph.
+
+    Args:
+        model: a causal LM (patched with :func:`~pnmix_patch.patch_model` or not).
+        cache: a prefilled cache that compiles without host synchronization and keeps its
+            addresses: :class:`~pnmix_patch.PNMixStaticCache` or transformers' ``StaticCache``.
+        warmup_steps: real decode steps run through the compiled step before the graph is
+            captured (at least 1: the first one compiles).
+        compile: compile the step with ``torch.compile(fullgraph=True)`` (``False``: capture
+            the eager forward, more kernels per step).
+
+    Call it with the next token ids, ``[batch, 1]`` int64, on the model's device; it returns the
+    logits ``[batch, 1, vocab]``. On CUDA they live in the graph's memory and are overwritten by
+    the next call: read or clone them before calling again. Every call, warm-up ones included, is
+    a real decode step that advances the cache. The graph stays valid after ``cache.reset()`` and
+    a new prefill of the same batch size (the static caches keep their storage).
+
+    Raises:
+        ValueError: ``warmup_steps`` below 1, or token ids of another shape than the first call's.
+        TypeError: token ids that are not an int64 tensor.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2, compile: bool = True):
+        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+            raise ValueError(f"warmup_steps={warmup_steps!r}: allowed an int >= 1 (the first step compiles)")
+        self.model = model
+        self.cache = cache
+        # ``cache`` from transformers 5.24, ``past_key_values`` before.
+        self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._forward = torch.compile(model.forward, fullgraph=True) if compile else model.forward
+        self._warmup_left = warmup_steps
+        self._shape: torch.Size | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._input_ids: torch.Tensor | None = None
+        self._logits: torch.Tensor | None = None
+        self._stream: torch.cuda.Stream | None = None
+
+    @property
+    def captured(self) -> bool:
+        """Whether the graph has been captured (calls now replay it)."""
+        return self._graph is not None
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.int64:
+            raise TypeError(f"input_ids must be an int64 tensor [batch, 1]; got {getattr(input_ids, 'dtype', type(input_ids))}")
+        if input_ids.dim() != 2 or input_ids.shape[1] != 1:
+            raise ValueError(f"input_ids must be [batch, 1] (one decode token per sequence); got {list(input_ids.shape)}")
+        if self._shape is None:
+            self._shape = input_ids.shape
+        elif input_ids.shape != self._shape:
+            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: this step was built for {list(self._shape)}")
+        if self._graph is not None:
+            self._input_ids.copy_(input_ids)
+            self._graph.replay()
+            return self._logits
+        if input_ids.device.type != "cuda":
+            return self._step(input_ids)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=input_ids.device)
+        if self._warmup_left > 0:
+            self._warmup_left -= 1
+            return self._on_capture_stream(self._step, input_ids)
+        return self._on_capture_stream(self._capture, input_ids)
+
+    def _step(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self._forward(input_ids=input_ids, use_cache=True, **{self._cache_argument: self.cache}).logits
+
+    def _on_capture_stream(self, run, input_ids: torch.Tensor) -> torch.Tensor:
+        # Warm-up steps run on the stream the capture will use, so libraries set up their
+        # per-stream workspaces there before capturing; the caller's stream waits for them.
+        current = torch.cuda.current_stream(input_ids.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            logits = run(input_ids)
+        current.wait_stream(self._stream)
+        return logits
+
+    def _capture(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Capture records the kernels without running them: the step this call asks for is
+        # the first replay.
+        self._input_ids = input_ids.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=self._stream):
+            self._logits = self._step(self._input_ids)
+        self._graph = graph
+        graph.replay()
+        return self._logits
