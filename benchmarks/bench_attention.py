@@ -2,6 +2,7 @@
 
     python benchmarks/bench_attention.py [--out DIR] [--quick]
     python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's groups in flight x register cap x splits
+    python benchmarks/bench_attention.py --sweep-occupancy   # its register cap x split slots, batch 1 to 580
 
 1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
    and bf16); fused decode attention against the float32 reference (relative error,
@@ -361,7 +362,7 @@ def sweep_mma(device) -> list[dict]:
     candidates = {1: (16, 22, 33, 44, 66), 8: (4, 6, 8, 12, 16), 32: (1, 2, 3, 4), 64: (1, 2, 4)}
     for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
         args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
-        default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2])
+        default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
         for stages in (2, 3, 4):
             for registers in (None, 128):
                 for splits in sorted({*candidates[batch], default}):
@@ -375,6 +376,31 @@ def sweep_mma(device) -> list[dict]:
     return rows
 
 
+def sweep_occupancy(device) -> list[dict]:
+    """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
+    pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; the launch default flagged."""
+    from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits
+    from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention
+
+    rows = []
+    sms = _multiprocessors(device.index or 0)
+    for preset in ("pnmix-1", "pnmix-2"):
+        for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)):
+            args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
+            default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
+            for registers in (None, 168, 160, 128):
+                for per_sm in (2, 3, 4):
+                    splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
+                    ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
+                    flag = splits == default and registers is None
+                    rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,
+                                 "programs_per_sm_assumed": per_sm, "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
+                    print(f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "
+                          f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""), flush=True)
+            del args
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -384,6 +410,8 @@ def main() -> None:
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
     parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's groups-in-flight, register-cap and split sweep")
+    parser.add_argument("--sweep-occupancy", action="store_true",
+                        help="only the Gluon kernel's register cap x split slots, pnmix-1 and pnmix-2, batch 1 to 580")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -398,7 +426,8 @@ def main() -> None:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention_append.json").write_text(json.dumps(report, indent=2))
         return
-    sweeps = (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split"), ("sweep_mma", sweep_mma, "mma"))
+    sweeps = (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split"), ("sweep_mma", sweep_mma, "mma"),
+              ("sweep_occupancy", sweep_occupancy, "occupancy"))
     for flag, sweep, name in sweeps:
         if getattr(args, flag):
             rows = sweep(device)

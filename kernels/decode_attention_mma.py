@@ -539,13 +539,21 @@ def _decode_split_kernel_mma(
              mask=gl.expand_dims(j_ok, 0))
 
 
-def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int) -> int:
-    """Split count: the kernel runs with the compiler's register choice (~210 per thread: 2 programs
-    per multiprocessor), and the splits fill those slots in waves at least 95% full. Measured on an H200 (``bench_attention.py --sweep-mma``, pnmix-1, bf16): with the
-    groups copied asynchronously into shared memory, uncapped beats the 128-register cap (4 programs
-    per multiprocessor, spilling) everywhere: batch 1 / 32K 28.4 against 35.4 us, batch 8 / 16K 92.6
-    against 111.6, batch 32 / 16K 350.1 against 393.1, batch 64 / 16K 689.5 against 766.2."""
-    return _wave_filling_splits(2 * _multiprocessors(query.device.index), kv_programs, max_groups)
+def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
+    """Split count: the kernel runs with the compiler's register choice, and the splits fill the
+    program slots in waves at least 95% full. Slots per multiprocessor, as measured on an H200
+    (Triton 3.6, bf16; ``bench_attention.py --sweep-mma`` and ``--sweep-occupancy``):
+
+    - 2 (the kernel takes ~225 registers per thread) in general. pnmix-1 (G = 128): capping the
+      registers at 128, 160 or 168 (3-4 programs per multiprocessor) is never faster, e.g. batch
+      32 / 32K 679.3 us uncapped against 701.1-767.5 capped, batch 580 / 8K 3,067 against 3,062-3,323.
+    - 3 for key groups of 64 tokens (pnmix-2: 168 registers, three programs fit) once there are at
+      least 64 KV programs: batch 8 / 16K 122.5 against 126.7 us with 2 slots, batch 32 / 32K 866.7
+      against 931.6, batch 64 / 16K 865.9 against 928.9; at batch 1 (8 KV programs) 2 slots stay
+      faster (37.1 against 41.1 us at 32K).
+    """
+    per_multiprocessor = 3 if group_size == 64 and kv_programs >= 64 else 2
+    return _wave_filling_splits(per_multiprocessor * _multiprocessors(query.device.index), kv_programs, max_groups)
 
 
 @functools.cache
@@ -589,7 +597,7 @@ def mma_decode_attention(
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
-    num_splits = default_splits(query, batch * heads, group_cap) if num_splits is None else num_splits
+    num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
     constants = dict(
         kernel_constants(
             query.dtype, head_dim, q_heads // heads, 32 * words, c_high,

@@ -208,7 +208,7 @@ def test_launch_passes_every_kernel_argument(monkeypatch):
             return lambda *args, **kwargs: calls.append((grid, args, kwargs))
 
     monkeypatch.setattr(mma, "_decode_split_kernel_mma", Recorder())
-    monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups: 2)
+    monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups, group_size: 2)
     args = decode_inputs(seeded(), "pnmix-1", 128, 4, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
     mma.mma_decode_attention(*args)
     (grid, positional, keywords), = calls
