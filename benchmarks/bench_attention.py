@@ -378,7 +378,8 @@ def sweep_mma(device) -> list[dict]:
 
 def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
-    pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; the launch default flagged."""
+    pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
+    counts is timed once; the launch default (``default_splits``, uncapped) flagged."""
     from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits
     from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention
 
@@ -389,8 +390,12 @@ def sweep_occupancy(device) -> list[dict]:
             args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
             for registers in (None, 168, 160, 128):
+                timed = set()  # (registers, splits) launches already timed: slot counts can give the same split
                 for per_sm in (2, 3, 4):
                     splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
+                    if splits in timed:
+                        continue
+                    timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
                     flag = splits == default and registers is None
                     rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,

@@ -544,11 +544,13 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     program slots in waves at least 95% full. Slots per multiprocessor, as measured on an H200
     (Triton 3.6, bf16; ``bench_attention.py --sweep-mma`` and ``--sweep-occupancy``):
 
-    - 2 (the kernel takes ~225 registers per thread) in general. pnmix-1 (G = 128): capping the
-      registers at 128, 160 or 168 (3-4 programs per multiprocessor) is never faster, e.g. batch
-      32 / 32K 679.3 us uncapped against 701.1-767.5 capped, batch 580 / 8K 3,067 against 3,062-3,323.
-    - 3 for key groups of 64 tokens (pnmix-2: 168 registers, three programs fit) once there are at
-      least 64 KV programs: batch 8 / 16K 122.5 against 126.7 us with 2 slots, batch 32 / 32K 866.7
+    - 2 in general (pnmix-1, G = 128: 226 registers per thread in Nsight Compute, two programs
+      fit). Capping the registers at 128, 160 or 168 (3-4 programs) is slower at batch 1-64 (batch
+      32 / 32K: 679.3 us uncapped, 701.1-816.5 capped) and within 0.2% at batch 580 / 8K
+      (3,067.3 against 3,061.9 at cap 160).
+    - 3 for key groups of 64 tokens (pnmix-2; 168 registers in the offline sm_90 compile of
+      ``kernel_sass.py`` with Triton 3.7.1, where pnmix-1 takes 208) once there are at least 64 KV
+      programs: uncapped, batch 8 / 16K 122.5 against 126.7 us with 2 slots, batch 32 / 32K 866.7
       against 931.6, batch 64 / 16K 865.9 against 928.9; at batch 1 (8 KV programs) 2 slots stay
       faster (37.1 against 41.1 us at 32K).
     """

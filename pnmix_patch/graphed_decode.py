@@ -25,7 +25,7 @@ import torch
 
 
 class GraphedDecodeStep:
-    """One decode step of ``model`` on ``cache``, replayed as a CUDA graph.
+    """One decode step of ``model`` on ``cache``, compiled and replayed as a CUDA graph.
 
     Args:
         model: a causal LM (patched with :func:`~pnmix_patch.patch_model` or not).
@@ -33,32 +33,33 @@ class GraphedDecodeStep:
             addresses: :class:`~pnmix_patch.PNMixStaticCache` or transformers' ``StaticCache``.
         warmup_steps: real decode steps run through the compiled step before the graph is
             captured (at least 1: the first one compiles).
-        compile: compile the step with ``torch.compile(fullgraph=True)`` (``False``: capture
-            the eager forward, more kernels per step).
 
     Call it with the next token ids, ``[batch, 1]`` int64, on the model's device; it returns the
     logits ``[batch, 1, vocab]``. On CUDA they live in the graph's memory and are overwritten by
     the next call: read or clone them before calling again. Every call, warm-up ones included, is
     a real decode step that advances the cache. The graph stays valid after ``cache.reset()`` and
-    a new prefill of the same batch size (the static caches keep their storage).
+    a new prefill of the same batch size (the static caches keep their storage). As with any
+    compiled step of the static PN-Mix cache, a sequence that outgrows ``max_cache_len`` cannot
+    raise: its outputs become NaN.
 
     Raises:
-        ValueError: ``warmup_steps`` below 1, or token ids of another shape than the first call's.
+        ValueError: ``warmup_steps`` not an int >= 1; token ids that are not ``[batch, 1]``, of
+            another shape than the first call's, or on another device.
         TypeError: token ids that are not an int64 tensor.
     """
 
-    def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2, compile: bool = True):
-        if not isinstance(warmup_steps, int) or warmup_steps < 1:
+    def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2):
+        if type(warmup_steps) is not int or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r}: allowed an int >= 1 (the first step compiles)")
         self.model = model
         self.cache = cache
         # ``cache`` from transformers 5.24, ``past_key_values`` before.
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self._forward = torch.compile(model.forward, fullgraph=True) if compile else model.forward
+        # No CUDA graphs of torch.compile's own: this class captures the whole step once.
+        self._forward = torch.compile(model.forward, fullgraph=True)
         self._warmup_left = warmup_steps
-        self._shape: torch.Size | None = None
+        self._input_ids: torch.Tensor | None = None  # the first call's shape and device; on CUDA the graph's input
         self._graph: torch.cuda.CUDAGraph | None = None
-        self._input_ids: torch.Tensor | None = None
         self._logits: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -72,44 +73,46 @@ class GraphedDecodeStep:
             raise TypeError(f"input_ids must be an int64 tensor [batch, 1]; got {getattr(input_ids, 'dtype', type(input_ids))}")
         if input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise ValueError(f"input_ids must be [batch, 1] (one decode token per sequence); got {list(input_ids.shape)}")
-        if self._shape is None:
-            self._shape = input_ids.shape
-        elif input_ids.shape != self._shape:
-            raise ValueError(f"input_ids of shape {list(input_ids.shape)}: this step was built for {list(self._shape)}")
-        if self._graph is not None:
-            self._input_ids.copy_(input_ids)
-            self._graph.replay()
-            return self._logits
+        if self._input_ids is None:
+            self._input_ids = input_ids.clone()  # contiguous: warm-ups and capture see the same input
+        elif input_ids.shape != self._input_ids.shape or input_ids.device != self._input_ids.device:
+            raise ValueError(
+                f"input_ids of shape {list(input_ids.shape)} on {input_ids.device}: this step was built for "
+                f"{list(self._input_ids.shape)} on {self._input_ids.device}"
+            )
         if input_ids.device.type != "cuda":
             return self._step(input_ids)
+        self._input_ids.copy_(input_ids)
+        if self._graph is not None:
+            self._graph.replay()
+            return self._logits
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=input_ids.device)
         if self._warmup_left > 0:
             self._warmup_left -= 1
-            return self._on_capture_stream(self._step, input_ids)
-        return self._on_capture_stream(self._capture, input_ids)
+            return self._on_capture_stream(self._step)
+        return self._on_capture_stream(self._capture)
 
     def _step(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self._forward(input_ids=input_ids, use_cache=True, **{self._cache_argument: self.cache}).logits
 
-    def _on_capture_stream(self, run, input_ids: torch.Tensor) -> torch.Tensor:
+    def _on_capture_stream(self, run) -> torch.Tensor:
         # Warm-up steps run on the stream the capture will use, so libraries set up their
         # per-stream workspaces there before capturing; the caller's stream waits for them.
-        current = torch.cuda.current_stream(input_ids.device)
+        current = torch.cuda.current_stream(self._input_ids.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
-            logits = run(input_ids)
+            logits = run(self._input_ids)
         current.wait_stream(self._stream)
         return logits
 
     def _capture(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Capture records the kernels without running them: the step this call asks for is
         # the first replay.
-        self._input_ids = input_ids.clone()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=self._stream):
-            self._logits = self._step(self._input_ids)
+            self._logits = self._step(input_ids)
         self._graph = graph
         graph.replay()
         return self._logits
