@@ -4,7 +4,8 @@
     python benchmarks/bench_throughput.py --plot JSON          # anywhere: the PNG from a result
 
 Randomly initialized bf16 Qwen3-8B-shaped model (`pnmix_patch.planner.MODEL_SHAPES`),
-both methods with compiled decoding (`torch.compile(fullgraph=True, mode="reduce-overhead")`):
+both methods with compiled decoding (`torch.compile(fullgraph=True, mode="reduce-overhead")`;
+with `--graphed`, the throughput part replays the compiled step by `pnmix_patch.GraphedDecodeStep`):
 bf16 = transformers `StaticCache` read by SDPA with `enable_gqa=True`; PN-Mix = `pnmix-1`
 with `PNMixStaticCache`.
 
@@ -34,6 +35,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 # Little fragmentation, as a serving process would run (and the planner assumes).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -54,19 +56,20 @@ def build_model(device):
         return AutoModelForCausalLM.from_config(model_config("qwen3-8b"), dtype=torch.bfloat16).eval()
 
 
-def run_method(model, method, batch, positions, lengths, steps=5, warmup=3) -> dict:
+def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, graphed=False) -> dict:
     """Allocate the static cache for ``positions``, prefill ``batch x PROMPT`` tokens, then time
-    compiled decode steps at each cache length. Returns per-length ms and the peak memory."""
+    compiled decode steps at each cache length (``graphed``: the compiled step replayed by
+    ``GraphedDecodeStep`` instead of ``mode="reduce-overhead"``). Returns per-length ms and the peak memory."""
     from bench_decode import cache_arg, fill_bf16, fill_pnmix, prefill, time_steps
     from transformers import StaticCache
 
-    from pnmix_patch import new_cache, patch_model, unpatch_model
+    from pnmix_patch import GraphedDecodeStep, new_cache, patch_model, unpatch_model
 
     name = cache_arg(model)
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    result = {"method": method, "batch": batch, "positions": positions}
+    result = {"method": method, "batch": batch, "positions": positions, "graphed": graphed}
     try:
         if method == "bf16":
             model.set_attn_implementation("sdpa_gqa")
@@ -78,7 +81,13 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3) -> d
             fill = fill_pnmix
         prefill(model, cache, name, batch, PROMPT)
         result["peak_bytes_after_prefill"] = torch.cuda.max_memory_allocated()
-        forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        if graphed:
+            step = GraphedDecodeStep(model, cache)
+
+            def forward(input_ids, **_):
+                return SimpleNamespace(logits=step(input_ids))
+        else:
+            forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         result["ms_per_step"] = {}
         for length in lengths:
             fill(cache, min(PROMPT + length, positions - warmup - steps - 1))
@@ -141,14 +150,14 @@ def capacity(model, planner, device, methods) -> list[dict]:
     return rows
 
 
-def throughput(model, planner, device, methods, batches_of) -> list[dict]:
+def throughput(model, planner, device, methods, batches_of, graphed=False) -> list[dict]:
     """Part 2: decode throughput over 8K generated tokens at several batches, whole GPU."""
     budget = torch.cuda.get_device_properties(device).total_memory - 8 * 2**30  # CUDA context, graph pools, slack
     rows = []
     for method in methods:
         largest = planner.largest_batch(None if method == "bf16" else method, PROMPT, GENERATED, budget)
         for batch in batches_of(largest):
-            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS)
+            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS, graphed=graphed)
             if "ms_per_step" in result:
                 result["tokens_per_s"] = integrated_throughput(batch, result["ms_per_step"])
                 print(f"  {method:8s} B={batch:4d}: {result['tokens_per_s']:9.0f} tokens/s over {GENERATED} steps", flush=True)
@@ -232,6 +241,8 @@ def main() -> None:
     parser.add_argument("--parts", default="capacity,throughput,ttft")
     parser.add_argument("--methods", default="bf16,pnmix-1")
     parser.add_argument("--batches", default="32,128,largest", help="throughput batches ('largest': the planned largest)")
+    parser.add_argument("--graphed", action="store_true",
+                        help="throughput part: replay the compiled steps with GraphedDecodeStep (no per-call guards)")
     parser.add_argument("--ttft-repeats", type=int, default=3, help="timed prefills per cache (median; after a warm-up)")
     args = parser.parse_args()
     if args.plot:
@@ -258,7 +269,7 @@ def main() -> None:
         def batches_of(largest):
             return sorted({largest if b == "largest" else min(int(b), largest) for b in wanted})
 
-        report["throughput"] = throughput(model, planner, device, methods, batches_of)
+        report["throughput"] = throughput(model, planner, device, methods, batches_of, args.graphed)
     if "ttft" in parts:
         print("time to first token", flush=True)
         report["ttft"] = time_to_first_token(model, device, repeats=args.ttft_repeats)
@@ -267,12 +278,12 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
         "command": "python benchmarks/bench_throughput.py" + "".join(
-            f" --{name.replace('_', '-')} {getattr(args, name)}" for name in ("parts", "methods", "batches", "ttft_repeats")
-            if getattr(args, name) != parser.get_default(name)
+            f" --{name.replace('_', '-')}" + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
+            for name in ("parts", "methods", "batches", "graphed", "ttft_repeats") if getattr(args, name) != parser.get_default(name)
         ),
     })  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"bench_throughput_{'_'.join(parts)}_{'_'.join(methods)}.json").write_text(json.dumps(report, indent=2))
+    (Path(args.out) / f"bench_throughput_{'_'.join(parts)}_{'_'.join(methods)}{'_graphed' if args.graphed else ''}.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
