@@ -16,7 +16,9 @@ with `PNMixStaticCache`.
    the plan.
 2. The whole GPU: decode throughput at batches 32, 128 and each method's largest batch
    for 8K generated tokens: per-step time at cache lengths 1K, 4K and 8K (+141), integrated
-   over the 8,192 steps (trapezoids; flat below 1K). Prefill excluded.
+   over the 8,192 steps (trapezoids; flat below 1K). Prefill excluded. ``--full-run BATCH``
+   checks the integration: at that batch, one real generation of 8,192 steps from the
+   prefill (steps 4 to 8,192 timed), its tokens/s beside the integrated figure.
 3. Time to first token at a 16K prompt, batch 1: bf16 prefill, PN-Mix prefill with pair
    selection, and the same with selection replaced by a fixed mask.
 
@@ -56,10 +58,12 @@ def build_model(device):
         return AutoModelForCausalLM.from_config(model_config("qwen3-8b"), dtype=torch.bfloat16).eval()
 
 
-def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, graphed=False) -> dict:
+def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, graphed=False, full_run=False) -> dict:
     """Allocate the static cache for ``positions``, prefill ``batch x PROMPT`` tokens, then time
     compiled decode steps at each cache length (``graphed``: the compiled step replayed by
-    ``GraphedDecodeStep`` instead of ``mode="reduce-overhead"``). Returns per-length ms and the peak memory."""
+    ``GraphedDecodeStep`` instead of ``mode="reduce-overhead"``). ``full_run``: first decode
+    ``GENERATED`` steps for real from the prefill (the cache grows, flushes included), timed after
+    ``warmup`` of them. Returns per-length ms, the full run's figures and the peak memory."""
     from bench_decode import cache_arg, fill_bf16, fill_pnmix, prefill, time_steps
     from transformers import StaticCache
 
@@ -88,6 +92,12 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
                 return SimpleNamespace(logits=step(input_ids))
         else:
             forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        if full_run:
+            times = time_steps(forward, model, cache, name, batch, warmup, GENERATED - warmup)
+            result["full_run"] = {"timed_steps": len(times), "total_ms": sum(times),
+                                  "tokens_per_s": batch * len(times) / (sum(times) / 1e3)}  # fmt: skip
+            print(f"  {method:8s} B={batch:4d}: full run {result['full_run']['tokens_per_s']:9.0f} tokens/s "
+                  f"over steps {warmup + 1}-{GENERATED}", flush=True)
         result["ms_per_step"] = {}
         for length in lengths:
             fill(cache, min(PROMPT + length, positions - warmup - steps - 1))
@@ -150,17 +160,21 @@ def capacity(model, planner, device, methods) -> list[dict]:
     return rows
 
 
-def throughput(model, planner, device, methods, batches_of, graphed=False) -> list[dict]:
-    """Part 2: decode throughput over 8K generated tokens at several batches, whole GPU."""
+def throughput(model, planner, device, methods, batches_of, graphed=False, full_run_batch=None) -> list[dict]:
+    """Part 2: decode throughput over 8K generated tokens at several batches, whole GPU; at
+    ``full_run_batch`` also one real 8K-step generation against the integrated figure."""
     budget = torch.cuda.get_device_properties(device).total_memory - 8 * 2**30  # CUDA context, graph pools, slack
     rows = []
     for method in methods:
         largest = planner.largest_batch(None if method == "bf16" else method, PROMPT, GENERATED, budget)
         for batch in batches_of(largest):
-            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS, graphed=graphed)
+            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS, graphed=graphed,
+                                full_run=batch == full_run_batch)
             if "ms_per_step" in result:
                 result["tokens_per_s"] = integrated_throughput(batch, result["ms_per_step"])
                 print(f"  {method:8s} B={batch:4d}: {result['tokens_per_s']:9.0f} tokens/s over {GENERATED} steps", flush=True)
+                if "full_run" in result:
+                    result["full_run"]["integrated_over_full_run"] = result["tokens_per_s"] / result["full_run"]["tokens_per_s"]
             result["largest_batch"] = largest
             rows.append(result)
     return rows
@@ -243,6 +257,8 @@ def main() -> None:
     parser.add_argument("--batches", default="32,128,largest", help="throughput batches ('largest': the planned largest)")
     parser.add_argument("--graphed", action="store_true",
                         help="throughput part: replay the compiled steps with GraphedDecodeStep (no per-call guards)")
+    parser.add_argument("--full-run", type=int, default=None, metavar="BATCH",
+                        help="throughput part: at this batch (one of --batches) also decode all 8K steps for real")
     parser.add_argument("--ttft-repeats", type=int, default=3, help="timed prefills per cache (median; after a warm-up)")
     args = parser.parse_args()
     if args.plot:
@@ -269,7 +285,7 @@ def main() -> None:
         def batches_of(largest):
             return sorted({largest if b == "largest" else min(int(b), largest) for b in wanted})
 
-        report["throughput"] = throughput(model, planner, device, methods, batches_of, args.graphed)
+        report["throughput"] = throughput(model, planner, device, methods, batches_of, args.graphed, args.full_run)
     if "ttft" in parts:
         print("time to first token", flush=True)
         report["ttft"] = time_to_first_token(model, device, repeats=args.ttft_repeats)
@@ -279,7 +295,7 @@ def main() -> None:
         "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
         "command": "python benchmarks/bench_throughput.py" + "".join(
             f" --{name.replace('_', '-')}" + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
-            for name in ("parts", "methods", "batches", "graphed", "ttft_repeats") if getattr(args, name) != parser.get_default(name)
+            for name in ("parts", "methods", "batches", "graphed", "full_run", "ttft_repeats") if getattr(args, name) != parser.get_default(name)
         ),
     })  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
