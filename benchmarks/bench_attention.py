@@ -390,7 +390,7 @@ def sweep_occupancy(device) -> list[dict]:
             args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
             for registers in (None, 168, 160, 128):
-                timed = set()  # (registers, splits) launches already timed: slot counts can give the same split
+                timed = set()  # split counts already timed at this cap: two slot counts can give the same one
                 for per_sm in (2, 3, 4):
                     splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
                     if splits in timed:

@@ -243,6 +243,14 @@ def fill_bf16(cache, context: int) -> int:
     return nbytes
 
 
+def graphed_forward(model, cache):
+    """A :class:`~pnmix_patch.GraphedDecodeStep` of ``model`` on ``cache`` (fresh Dynamo state) behind
+    ``model.forward``'s call shape, as :func:`time_steps` and :func:`profile_steps` call it."""
+    torch._dynamo.reset()
+    step = GraphedDecodeStep(model, cache)
+    return lambda input_ids, **_: SimpleNamespace(logits=step(input_ids))
+
+
 def time_steps(forward, model, cache, name, batch=1, warmup=WARMUP, steps=STEPS) -> list[float]:
     """Per-step milliseconds (CUDA events) of ``steps`` decode steps after ``warmup`` ones."""
     token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
@@ -346,11 +354,6 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         torch._dynamo.reset()
         return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
-    def graphed_forward(cache):
-        torch._dynamo.reset()
-        step = GraphedDecodeStep(model, cache)
-        return lambda input_ids, **_: SimpleNamespace(logits=step(input_ids))
-
     # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
     variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
     variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
@@ -360,7 +363,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
             cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
             prefill(model, cache, name)
             cache_bytes = fill_bf16(cache, context)
-            forward = graphed_forward(cache) if "graphed" in variant else compiled_forward()
+            forward = graphed_forward(model, cache) if "graphed" in variant else compiled_forward()
             times = time_steps(forward, model, cache, name)
             record(variant, context, times, cache_bytes, profile_steps(forward, model, cache, name) if profile else None)
             del cache, forward
@@ -381,7 +384,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
     counters.clear()
     for variant in ("pnmix-compiled", "pnmix-graphed") if graphed else ("pnmix-compiled",):
         if variant == "pnmix-graphed":
-            forward = graphed_forward(static)
+            forward = graphed_forward(model, static)
         for context in contexts:
             static.reset()
             prefill(model, static, name)

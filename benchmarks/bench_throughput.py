@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 # Little fragmentation, as a serving process would run (and the planner assumes).
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -64,10 +63,10 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
     ``GraphedDecodeStep`` instead of ``mode="reduce-overhead"``). ``full_run``: first decode
     ``GENERATED`` steps for real from the prefill (the cache grows, flushes included), timed after
     ``warmup`` of them. Returns per-length ms, the full run's figures and the peak memory."""
-    from bench_decode import cache_arg, fill_bf16, fill_pnmix, prefill, time_steps
+    from bench_decode import cache_arg, fill_bf16, fill_pnmix, graphed_forward, prefill, time_steps
     from transformers import StaticCache
 
-    from pnmix_patch import GraphedDecodeStep, new_cache, patch_model, unpatch_model
+    from pnmix_patch import new_cache, patch_model, unpatch_model
 
     name = cache_arg(model)
     torch._dynamo.reset()
@@ -86,10 +85,7 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
         prefill(model, cache, name, batch, PROMPT)
         result["peak_bytes_after_prefill"] = torch.cuda.max_memory_allocated()
         if graphed:
-            step = GraphedDecodeStep(model, cache)
-
-            def forward(input_ids, **_):
-                return SimpleNamespace(logits=step(input_ids))
+            forward = graphed_forward(model, cache)
         else:
             forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         if full_run:
