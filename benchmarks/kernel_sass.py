@@ -58,7 +58,7 @@ POINTER_TYPES = {
     "num_groups_ptr": "*i32", "res_len_ptr": "*i32", "m_out_ptr": "*fp32", "l_out_ptr": "*fp32", "acc_out_ptr": "*fp32",
 }  # fmt: skip
 CLASSES = {
-    "tensor core": ("HMMA",),
+    "tensor core": ("HMMA", "IMMA"),
     "shared memory": ("LDS", "STS", "LDSM", "STSM"),
     "warp shuffle": ("SHFL",),
     "barrier": ("BAR",),
@@ -101,7 +101,7 @@ def compile_mma_kernel(config: PNMixConfig, max_registers: int | None) -> bytes:
 
     kernel = mma._decode_split_kernel_mma
     constants = mma.kernel_constants(
-        torch.bfloat16, HEAD_DIM, RATIO, config.key_group_size, 2 * config.num_selected_pairs(HEAD_DIM),
+        HEAD_DIM, RATIO, config.key_group_size, 2 * config.num_selected_pairs(HEAD_DIM),
         config.key_bits_high, config.key_bits_low, config.value_bits,
     )  # fmt: skip
     signature, attributes = {}, {}

@@ -1,4 +1,4 @@
-"""Decode attention over the packed cache with tensor-core operands unpacked in registers (Gluon).
+"""Decode attention over the packed cache with 8-bit tensor-core operands made in registers (Gluon).
 
 Same op, inputs and result as :mod:`decode_attention` (its module docstring describes the
 segments, the split-K scheme and the merge kernel, which this kernel shares); this is the
@@ -6,47 +6,38 @@ CUDA implementation on GPUs with ``mma.sync`` (compute capability 8.0 and up) fo
 shapes of real models (:func:`supports`). The Triton kernel remains for the other shapes
 and for the CPU interpreter, which cannot run Gluon.
 
-Why a second kernel: in Triton, a tile computed in registers reaches ``tl.dot`` only
-through shared memory (a layout conversion per tile), and Triton decides which thread
-holds which code. Gluon states layouts explicitly, so here each thread unpacks exactly the
-codes its ``mma.sync`` fragments need, from the packed words it reads itself:
+Why a second kernel: Triton decides which thread holds which code and reaches ``tl.dot`` only
+through shared memory; Gluon states layouts explicitly, so each thread builds exactly the
+operands its ``mma.sync`` fragments need, with one instruction per register:
 
-- The packed codes are the *A* operand (16 x 16 fragments; a thread holds rows r, r + 8
-  and column pairs k, k + 1). Keys: ``scores^T [T, Hq] = planes [T tokens, D] @ (q *
-  scale)^T``. Values: ``acc^T [D, Hq] += planes^T [D, T tokens] @ (p * scale)^T``; the
-  per-token value scale and zero fold into ``p`` (values need one scale per token:
-  value group = head dim), the per-channel key scale into ``q``, zeros into a per-head
-  offset.
-- Each bit plane is its own operand and its own ``mma.sync``, so a channel costs only the
-  planes it has: keys run as two tiles, the first ``W_HIGH`` stored channels (the selected
-  ones, ``b_H`` planes) and the rest (``b_L`` planes).
-- Rows r and r + 8 of a fragment read the same 32-bit word (tokens of a key word, channels
-  of a value word), as bytes ``b`` and ``b + 1`` at the same bit ``j = r % 8``. One ``prmt``
-  gathers byte ``b`` of the words of columns k and k + 1 into the two 16-bit halves of a
-  register and one ``lop3`` keeps bit j of each half and ORs in a 16-bit float ``M`` whose
-  mantissa has its lowest bit worth ``2^p'`` (:func:`unpack_asm`): the halves are then
-  ``M + 2^(p' + j) * bit``, a float made without any conversion, two instructions per
-  register and plane. The factor ``2^-j`` is the same for all of a thread's rows, so it is
-  applied to the MMA results (score rows, output rows), not to the operands.
-- bf16 (7 mantissa bits): ``M`` is 128 for planes 0 and 1, 512 for planes 2 and 3 (an
-  exponent with bit 7 clear, so that bit 7, row 7, ORs in exactly: 128 | 128 reads 256);
-  odd planes accumulate apart and count twice. The ``M`` terms (``M * sum(operand)`` per
-  plane) are subtracted per head: for keys from the score accumulators' start value, for
-  values once after the loop (the sums of ``p * scale`` stay per thread, rescaled like the
-  output, as do the sums of ``p`` and ``p * zero``). fp16: ``M = 1024 *
-  2^p`` and the PTX subtracts it (``sub.f16x2``, exact), because 1024 times the sums cost
-  10 bits of the tensor cores' float32 accumulation (relative error 4.7e-3 against 5e-4 on
-  an H200, measured with the previous form of this kernel).
-- Key groups are staged in shared memory: ``cp.async`` copies of the codes of ``STAGES``
-  groups are in flight while one is computed (the 16-bit scales and zeros, whose alignment
-  ``cp.async`` cannot assume, go through registers and are stored when the group before is
-  done). Without it the kernel waited on memory: the same instructions took 1.5-2x as long.
-- The words are read from shared memory in a layout that is the A-operand layout with the
-  row split into (word, bit) and the bit dimension dropped (``DistributedLinearLayout``);
-  broadcasting back over the bits and reshaping is free (``convert_layout(...,
-  assert_trivial=True)`` checks it at compile time).
-- Value rows are channels in a permuted order (:func:`value_row_channel`) so that the four
-  rows a thread holds share one word; the output rows are mapped back at the store.
+- Every bit plane is the A operand of an 8-bit MMA (m16n8k32, int32 accumulation). Keys:
+  ``scores^T [T, Hq] = planes [T tokens, D] @ (q * scale)^T``; values: ``acc^T [D, Hq] +=
+  planes^T [D, T tokens] @ (p * scale)^T``. The per-channel key scale folds into q, the
+  per-token value scale into p (one value group per token), the zeros into per-head offsets.
+- An A register holds four consecutive K elements of one row. After a 4 x 4 byte transpose of the
+  packed words (:data:`TRANSPOSE_ASM`, once per group, shared memory to shared memory) a word holds
+  8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j`` (:data:`BYTES_ASM`) is
+  the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads -128). The factor ``2^-j``
+  (``-2^-7``) is the same for all of a row's elements, so it is applied to the MMA results.
+- The B operands (``q * scale``, ``p * scale``, float32) are split into two 8-bit parts with one
+  scale per query column: ``y = 127 * x / peak``, ``high = round(y)``, ``low = round(128 * (y -
+  high))``, 15 significant bits against bf16's 8; ``result = (128 * acc_high + acc_low) * peak /
+  (127 * 128)``. Keys: ``peak`` is the column's largest ``|q * scale| * 2^(b - 1)`` of the group
+  and plane p's operand is ``2^p y`` (all planes accumulate together); the operands are made
+  once per group by all warps into shared memory. Values: ``peak`` is the group's largest token
+  scale (``p <= 1``), and plane p is accumulated ``2^p`` times.
+- Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
+  rest (``b_L`` planes), so a channel costs only the planes it has.
+- Key groups are staged in shared memory: ``cp.async`` copies of the codes of ``STAGES`` groups
+  are in flight while one is computed (the 16-bit scales and zeros, whose alignment ``cp.async``
+  cannot assume, go through registers and are stored when the group before is done). Without it
+  the kernel waited on memory: the same instructions took 1.5-2x as long.
+- Shared buffers are written one whole buffer per operation: Triton fences every write to a buffer
+  that is read or written nearby with a barrier, whatever part of the buffer it touches.
+- The transposed words are read in a layout that is the A-operand layout with rows and columns
+  split into (word, byte, bit) and the bit dimensions dropped (``DistributedLinearLayout``);
+  broadcasting back and reshaping is free (``convert_layout(..., assert_trivial=True)`` checks it
+  at compile time).
 
 One step covers 64 tokens (4 warps x 16 rows); a split takes whole key groups (``G`` a
 multiple of 64). The query heads of a KV head are the MMA's N dimension (8 or 16).
@@ -66,10 +57,10 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
 NUM_WARPS = 4
+THREADS = gl.constexpr(32 * NUM_WARPS)
 BLOCK_T = gl.constexpr(64)
 """Tokens per step: 4 warps x 16 rows of the MMA."""
-MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
-"""16-bit float bit patterns whose lowest mantissa bit is worth 1: 128.0 (bf16), 1024.0 (fp16)."""
+DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 3
 """Key groups whose copies into shared memory are in flight while one is computed."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
@@ -80,7 +71,7 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
     """Whether this kernel handles the call (else the Triton kernel does): a CUDA device with
     ``mma.sync`` (8.0+), fp16/bf16, head dim 64 or 128, key groups of a multiple of 64
     tokens, codes of at most 4 bits, one value group per token, at most 16 query heads per KV head."""
-    if not query.is_cuda or query.dtype not in MAGIC or _capability(query.device.index)[0] < 8:
+    if not query.is_cuda or query.dtype not in DTYPES or _capability(query.device.index)[0] < 8:
         return False
     head_dim = query.shape[-1]
     bits = (key_codes_high.shape[3], key_codes_low.shape[3], value_codes.shape[3])
@@ -99,15 +90,6 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def value_row_channel(row: int, head_dim: int) -> int:
-    """Channel held by ``row`` of the value operand ``[D, T]``. For D = 128 a thread holds rows
-    r, r + 8, r + 64, r + 72: row bits (6, 5, 4) carry channel bits (4, 6, 5), so those four
-    rows are channels r % 16 + {0, 8, 16, 24} of one 32-channel word. D = 64: the identity."""
-    if head_dim == 64:
-        return row
-    return (row & 15) | ((row >> 6) & 1) << 4 | ((row >> 4) & 3) << 5
-
-
 def high_tile_width(head_dim: int, num_high: int) -> int:
     """Stored channels ``[0, W)`` of the first key tile (the rest form the second): 0 when no
     channel is selected, else half the head or all of it, whichever holds the ``num_high``
@@ -115,35 +97,54 @@ def high_tile_width(head_dim: int, num_high: int) -> int:
     return 0 if num_high == 0 else head_dim // 2 if num_high <= head_dim // 2 else head_dim
 
 
-def _a_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
-    """Register, lane and warp bases of the A operand ``[rows, cols]`` of a 16-bit ``mma.sync``
-    m16n8k16 with 4 warps along the rows (Triton's linear layout, as ``gl.to_linear_layout`` gives)."""
-    registers = [[0, 1], [8, 0], [0, 8]] + [[0, 16 << i] for i in range(int(math.log2(cols)) - 4)]
+def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
+    """Register, lane and warp bases of the A operand ``[rows, cols]`` of an 8-bit ``mma.sync``
+    m16n8k32 (four columns per register) with 4 warps along the rows (Triton's linear layout, as
+    ``gl.to_linear_layout`` gives)."""
+    registers = [[0, 1], [0, 2], [8, 0]] + [[0, 16 << i] for i in range(int(math.log2(cols)) - 4)]
     registers += [[64 << i, 0] for i in range(int(math.log2(rows)) - 6)]
-    return registers, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]]
+    return registers, [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]]
 
 
-def _word_bit_layout(rows: int, cols: int, row_channel) -> gl.DistributedLinearLayout:
-    """The A-operand layout with row r split into (word, bit) of ``row_channel(r)``: ``[rows/32, 32, cols]``."""
+def _key_byte_layout(cols: int) -> gl.DistributedLinearLayout:
+    """The 8-bit A-operand layout of a key tile ``[T, cols]`` with token t split into (word row,
+    byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see :func:`transpose_asm`)."""
 
     def split(bases):
-        return [[row_channel(r) >> 5, row_channel(r) & 31, c] for r, c in bases]
+        return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
 
-    return gl.DistributedLinearLayout(*(split(b) for b in _a_operand_bases(rows, cols)), [], [rows // 32, 32, cols])
+    shape = [BLOCK_T.value // 32, 4, 8, cols // 4, 4]
+    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(BLOCK_T.value, cols)), [], shape)
+
+
+def _value_byte_layout(head_dim: int) -> gl.DistributedLinearLayout:
+    """The 8-bit A-operand layout of the values ``[D, T]`` (channel rows, token columns) with channel
+    c split into (byte, bit) and token t into (quad, byte): ``[D/8, 8, T/4, 4]``."""
+
+    def split(bases):
+        return [[c >> 3, c & 7, t >> 2, t & 3] for c, t in bases]
+
+    shape = [head_dim // 8, 8, BLOCK_T.value // 4, 4]
+    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(head_dim, BLOCK_T.value)), [], shape)
 
 
 @functools.cache
-def layouts(head_dim: int, high_width: int) -> dict:
-    """The kernel's layouts (constexpr arguments) for ``head_dim`` and a first key tile
-    ``high_width`` channels wide (a tile of width 0 gets a placeholder layout, never used)."""
+def layouts(head_dim: int, high_width: int, query_rows: int) -> dict:
+    """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
+    channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
+    are half the head wide) and ``query_rows`` (a power of two) query heads per KV head."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
+    low_width = head_dim - high_width
     return dict(
         MMA=mma,
         A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
-        KEY_BITS_HIGH=_word_bit_layout(BLOCK_T.value, high_width or head_dim, lambda r: r),
-        KEY_BITS_LOW=_word_bit_layout(BLOCK_T.value, head_dim - high_width or head_dim, lambda r: r),
-        VALUE_BITS=_word_bit_layout(head_dim, BLOCK_T.value, lambda r: value_row_channel(r, head_dim)),
+        A8=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4),
+        B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
+        KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim),
+        KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim),
+        QUERY=_planes_layout(copy_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim)),
+        VALUE_BYTES=_value_byte_layout(head_dim),
     )
 
 
@@ -156,74 +157,39 @@ def copy_layout(rows: int, cols: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
 
 
-@functools.cache
-def unpack_asm(subtract_magic: bool) -> str:
-    """PTX of one plane of a 2 x 2 block of A-operand elements: ``(r, k), (r, k+1), (r+8, k), (r+8, k+1)``.
-
-    Operands (four per input, in that element order): ``$0, $1`` the results (row r, row
-    r + 8; column k in the low half); the plane words ``$2..$5`` (column k, column k + 1; rows
-    r + 8 repeat them); the ``prmt`` selectors ``$6..$9`` (byte ``b`` of row r into bytes 0-1,
-    the same byte of column k + 1's word into bytes 2-3; ``$8`` has row r + 8's byte ``b + 1``);
-    the masks ``$10..$13`` (bit ``j`` of both halves); the magic ``$14..$17`` (``M`` in both
-    halves). ``subtract_magic`` (fp16): end with ``sub.rn.f16x2`` of ``M``, leaving ``2^(p' + j) * bit``.
-    """
-    lines = ["{", ".reg .b32 x;"]
-    for out, selector, mask, magic in ((0, 6, 10, 14), (1, 8, 12, 16)):
-        # lop3 0xEA: (x & mask) | magic.
-        lines += [f"prmt.b32 x, $2, $3, ${selector};", f"lop3.b32 ${out}, x, ${mask}, ${magic}, 0xEA;"]
-    if subtract_magic:
-        lines += ["sub.rn.f16x2 $0, $0, $14;", "sub.rn.f16x2 $1, $1, $16;"]
-    return "\n".join(lines + ["}"])
+def quad_layout(rows: int, quads: int) -> gl.BlockedLayout:
+    """A blocked layout of the 4 warps over ``[rows, quads, 4]`` words: each thread holds one quad of
+    four consecutive words (one 16-byte access), lanes along the quads, warps along the rows."""
+    lanes = min(32, quads)
+    return gl.BlockedLayout([1, 1, 4], [32 // lanes, lanes, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
 
 
-UNPACK_CONSTRAINTS = gl.constexpr(",".join(["=r", "=r"] + ["r"] * 16))
+def _planes_layout(layout: gl.BlockedLayout) -> gl.BlockedLayout:
+    """``layout`` ``[rows, cols]`` with a middle dimension held in registers: ``[rows, planes, cols]``."""
+    (r, c), (lr, lc), (wr, wc) = layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta
+    return gl.BlockedLayout([r, 1, c], [lr, 1, lc], [wr, 1, wc], [2, 1, 0])
 
 
-def plane_magic(dtype: torch.dtype, plane: int) -> int:
-    """The 16-bit pattern ``M`` of bit plane ``plane``: fp16 ``1024 * 2^p`` (its lowest mantissa
-    bit is worth ``2^p``); bf16 ``128 * 4^(p // 2)`` (worth ``4^(p // 2)``: odd planes count twice)."""
-    if dtype == torch.float16:
-        return MAGIC[dtype] + (plane << 10)
-    return MAGIC[dtype] + ((plane // 2) << 8)
-
-
-@gluon.jit
-def _spread(words, bit3, M: gl.constexpr, K: gl.constexpr, A: gl.constexpr):
-    """Words ``[M / 32, K]`` -> ``[M, K]`` in the A layout, row r reading its word. ``bit3`` is
-    ``[1, 32, 1]``; no data moves."""
-    x = gl.broadcast(gl.expand_dims(words, 1), bit3)[0]
-    return gl.convert_layout(gl.reshape(x, [M, K]), A, assert_trivial=True)
-
-
-@gluon.jit
-def _relabel_value_rows(x, D: gl.constexpr, T: gl.constexpr, A: gl.constexpr):
-    """``[D, T]`` indexed by channel -> indexed by row (:func:`value_row_channel`); no data moves."""
-    if D == 128:  # channel bits (6, 5, 4, 3-0) -> row bits (4, 6, 5, 3-0)
-        x = gl.reshape(gl.permute(gl.reshape(x, [2, 2, 2, 16, T]), [2, 0, 1, 3, 4]), [D, T])
-    return gl.convert_layout(x, A, assert_trivial=True)
-
-
-@gluon.jit
-def _row_channel(rows, D: gl.constexpr):
-    """:func:`value_row_channel` of a tensor of rows."""
-    if D == 128:
-        rows = (rows & 15) | ((rows >> 6) & 1) << 4 | ((rows >> 4) & 3) << 5
-    return rows
-
-
-@gluon.jit
-def _bit_operands(bit_index):
-    """The ``prmt`` selector and the mask (see :func:`unpack_asm`) of rows whose code bit is bit
-    ``bit_index`` (0-31, a ``[rows, 1]`` tensor) of their word; they broadcast over the columns."""
-    byte = (bit_index % 32) // 8
-    return byte * 0x11 + (byte + 4) * 0x1100, 0x10001 << (bit_index % 8)
-
-
-@gluon.jit
-def _plane_operand(words, selector, mask, MAGIC_BITS: gl.constexpr, ASM: gl.constexpr, like):
-    """One bit plane as a 16-bit A operand of ``like``'s dtype: ``M + 2^(p' + j) * bit`` (see :func:`unpack_asm`)."""
-    return gl.inline_asm_elementwise(ASM, UNPACK_CONSTRAINTS, [words, selector, mask, MAGIC_BITS * 0x10001],
-                                     like.dtype, True, 4)
+TRANSPOSE_ASM = gl.constexpr(
+    """{
+.reg .b32 x0, x1, y0, y1;
+prmt.b32 x0, $4, $5, 0x5140;
+prmt.b32 x1, $4, $5, 0x7362;
+prmt.b32 y0, $6, $7, 0x5140;
+prmt.b32 y1, $6, $7, 0x7362;
+prmt.b32 $0, x0, y0, 0x5410;
+prmt.b32 $1, x0, y0, 0x7632;
+prmt.b32 $2, x1, y1, 0x5410;
+prmt.b32 $3, x1, y1, 0x7632;
+}"""
+)
+"""PTX of the 4 x 4 byte transpose of four key words ``$4..$7`` (channels 4q .. 4q + 3, 32 tokens
+each) into ``$0..$3``: word ``b`` holds byte ``b`` (tokens 8b .. 8b + 7) of each, channel 4q + i in byte i."""
+TRANSPOSE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
+BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
+"""PTX of one register of an 8-bit operand: a transposed word ANDed with ``0x01010101 << j``
+(``$1..$4`` are the word, ``$5..$8`` the mask, four times each: one per byte of the result)."""
+BYTES_CONSTRAINTS = gl.constexpr(",".join(["=r"] + ["r"] * 8))
 
 
 @gluon.jit
@@ -232,28 +198,48 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
                       BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, PLANES: gl.constexpr,
                       COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
     """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
-    bases) into ``stage`` of the shared buffers: per plane p its ``[G / 32, D]`` key words in stored
-    channel order (zeros where a channel has fewer planes) and the value words ``[G, b_V * D / 32]``.
-    Nothing is read when not ``valid`` (a group past this split's end)."""
+    bases) into ``stage`` of the shared buffers: the key words ``[PLANES * G / 32, D / 4, 4]`` (row
+    p * G / 32 + w: word row w of plane p; channel 4q + i at ``[q, i]``, stored channel order; zeros
+    where a channel has fewer planes, and in the padding planes) and the value words ``[G, b_V * D /
+    32]``. Nothing is read when not ``valid`` (a group past this split's end). One copy per buffer:
+    copies into one buffer are each fenced by a barrier."""
     WORDS: gl.constexpr = G // 32
-    word = gl.expand_dims(gl.arange(0, WORDS, layout=gl.SliceLayout(1, COPY_KEYS)), 1)
-    channel = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, COPY_KEYS)), 0)
+    row = gl.expand_dims(gl.expand_dims(gl.arange(0, PLANES * WORDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
+    quad = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
+    within = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_KEYS))), 0), 1)
+    plane = row // WORDS
+    channel = 4 * quad + within
     is_high = channel < C_HIGH
-    for p in gl.static_range(PLANES):
-        high = kc_high + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH + channel
-        low = kc_low + ((group * BITS_LOW + p) * WORDS + word) * (D - C_HIGH) + (channel - C_HIGH)
-        if p < BITS_HIGH and p < BITS_LOW:
-            present = valid
-        elif p < BITS_HIGH:
-            present = is_high & valid
-        else:
-            present = (~is_high) & valid
-        async_copy.async_copy_global_to_shared(key_smem.index(stage * PLANES + p), gl.where(is_high, high, low),
-                                               mask=present)
+    high = kc_high + ((group * BITS_HIGH + plane) * WORDS + row % WORDS) * C_HIGH + channel
+    low = kc_low + ((group * BITS_LOW + plane) * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH)
+    present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW) & valid
+    async_copy.async_copy_global_to_shared(key_smem.index(stage), gl.where(is_high, high, low), mask=present)
     token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
     column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(0, COPY_VALUES)), 0)
     async_copy.async_copy_global_to_shared(value_smem.index(stage),
                                            v_codes + (group * G + token) * (BITS_V * (D // 32)) + column, mask=valid)
+
+
+@gluon.jit
+def _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS: gl.constexpr):
+    """Byte-transpose the key words of ``stage`` into ``key_bytes_smem`` (:data:`TRANSPOSE_ASM`): row
+    p * G / 32 + w, ``[q, b]`` holds tokens 32w + 8b .. 32w + 8b + 7 (bit j: token 32w + 8b + j) of
+    channels 4q .. 4q + 3 (byte i: channel 4q + i) of plane p, four 8-bit key operand elements."""
+    words = key_smem.index(stage).load(COPY_KEYS)
+    key_bytes_smem.store(gl.inline_asm_elementwise(TRANSPOSE_ASM, TRANSPOSE_CONSTRAINTS, [words], gl.int32, True, 4))
+
+
+@gluon.jit
+def _transpose_value_words(value_bytes_smem, value_smem, stage, COLUMNS: gl.constexpr, G: gl.constexpr,
+                           VALUE_TRANSPOSE: gl.constexpr):
+    """Byte-transpose the value words of ``stage`` (``[G, COLUMNS]``: column p * D / 32 + w holds
+    channels 32w .. 32w + 31 of plane p) into ``value_bytes_smem`` ``[COLUMNS * 4, G / 4]``: row
+    4 * column + b, column tq holds byte b (channels 8b .. 8b + 7 of the column, bit j: channel
+    8b + j) of tokens 4tq .. 4tq + 3 (byte i: token 4tq + i), four 8-bit value operand elements."""
+    words = value_smem.index(stage).permute([1, 0]).load(VALUE_TRANSPOSE)  # [COLUMNS, G], 4 tokens per thread
+    words = gl.inline_asm_elementwise(TRANSPOSE_ASM, TRANSPOSE_CONSTRAINTS, [words], gl.int32, True, 4)
+    words = gl.reshape(gl.permute(gl.reshape(words, [COLUMNS, G // 4, 4]), [0, 2, 1]), [COLUMNS * 4, G // 4])
+    value_bytes_smem.store(words)
 
 
 @gluon.jit
@@ -277,23 +263,40 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_tile_scores(s_even, s_odd, key_smem, stage, WORD0: gl.constexpr, q_tile, selector, mask, bit3,
-                     C0: gl.constexpr, W: gl.constexpr, PLANES: gl.constexpr, TILE_PLANES: gl.constexpr,
-                     T: gl.constexpr, A: gl.constexpr, KEY_BITS: gl.constexpr,
-                     MAGIC_BITS: gl.constexpr, MAGIC_STEP: gl.constexpr, MAGIC_DIV: gl.constexpr,
-                     EXACT: gl.constexpr, ASM: gl.constexpr):
-    """Add the planes of stored channels ``[C0, C0 + W)`` of one step (``TILE_PLANES`` of the buffer's
-    ``PLANES``) times ``q_tile`` to the score accumulators (bf16: odd planes to ``s_odd``, which
-    counts twice; see :func:`plane_magic`)."""
+def _key_tile_scores(high, low, key_bytes_smem, query_high_smem, query_low_smem, WORD0: gl.constexpr, mask,
+                     C0: gl.constexpr, W: gl.constexpr, TILE_PLANES: gl.constexpr, WORDS: gl.constexpr,
+                     T: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr, KEY_BYTES: gl.constexpr):
+    """Add the planes ``[0, TILE_PLANES)`` of stored channels ``[C0, C0 + W)`` of one step (transposed
+    words, word rows ``WORD0`` on of each plane's ``WORDS``) times the tile's 8-bit query operands
+    (high and low parts, plane p at columns ``[p W, p W + W)``) to the integer score accumulators."""
+    WORD_BYTES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEY_BYTES))
     for p in gl.static_range(TILE_PLANES):
-        words = key_smem.index(stage * PLANES + p).slice(WORD0, T // 32, 0).slice(C0, W, 1).load(gl.SliceLayout(1, KEY_BITS))
-        operand = _plane_operand(_spread(words, bit3, T, W, A), selector, mask,
-                                 MAGIC_BITS + (p // MAGIC_DIV) * MAGIC_STEP, ASM, q_tile)
-        if EXACT or p % 2 == 0:
-            s_even = mma_v2(operand, q_tile, s_even)
-        else:
-            s_odd = mma_v2(operand, q_tile, s_odd)
-    return s_even, s_odd
+        # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
+        words = key_bytes_smem.slice(p * WORDS + WORD0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
+        words = gl.expand_dims(gl.expand_dims(words.load(WORD_BYTES), 2), 4)
+        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
+                                  A8, assert_trivial=True)
+        operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
+        high = mma_v2(operand, query_high_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), high)
+        low = mma_v2(operand, query_low_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), low)
+    return high, low
+
+
+@gluon.jit
+def _query_operands(query_high_smem, query_low_smem, x, inverse, PAD: gl.constexpr, ROWS: gl.constexpr,
+                    W: gl.constexpr, QUERY: gl.constexpr):
+    """Store the 8-bit query operands of one key tile for this group, from ``x = q * scale``
+    ``[ROWS, W]``, into rows ``[0, ROWS)`` of the two buffers ``[BLOCK_Q, PAD * W]``: at columns
+    ``[p W, p W + W)``, plane p < ``PAD`` (planes padded to a power of two), ``y = x * 2^p *
+    inverse`` (``inverse``: 127 / the column's largest ``|x| * 2^(b - 1)``) as ``round(y)`` (high
+    part) and ``round(128 * (y - round(y)))`` (low part). Where a channel has fewer than p + 1
+    planes ``y`` may pass 127 and not convert: that operand only meets zero bits. One store per
+    buffer (stores into one buffer are each fenced by a barrier)."""
+    weight = (1 << gl.arange(0, PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, QUERY)))).to(gl.float32)
+    y = gl.expand_dims(x * inverse, 1) * gl.expand_dims(gl.expand_dims(weight, 0), 2)  # [ROWS, PAD, W]
+    high = gl.floor(y + 0.5)
+    query_high_smem.slice(0, ROWS, 0).store(gl.reshape(high.to(gl.int8), [ROWS, PAD * W]))
+    query_low_smem.slice(0, ROWS, 0).store(gl.reshape(gl.floor((y - high) * 128.0 + 0.5).to(gl.int8), [ROWS, PAD * W]))
 
 
 @gluon.jit
@@ -303,7 +306,7 @@ def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLO
     T: gl.constexpr = BLOCK_T
     t_k = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1)
     d_k = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, A)), 0)
-    c_v = gl.expand_dims(_row_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A)), D), 1)
+    c_v = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, A)), 1)
     t_v = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(0, A)), 0)
     t_s = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, MMA)), 1)
     for start in range(0, length, T):
@@ -336,13 +339,13 @@ def _decode_split_kernel_mma(
     s_khb, s_khh, s_klb, s_klh, s_ksb, s_ksh, s_kzb, s_kzh,
     s_vcb, s_vch, s_vsb, s_vsh, s_vzb, s_vzh,
     s_rkb, s_rkh, s_rvb, s_rvh,
-    RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, D: gl.constexpr,
+    RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr,
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
-    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr,
-    EXACT: gl.constexpr, MAGIC_VALUE: gl.constexpr, MAGIC_BITS: gl.constexpr, MAGIC_STEP: gl.constexpr,
-    MAGIC_DIV: gl.constexpr, ASM: gl.constexpr,
-    MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr,
-    KEY_BITS_HIGH: gl.constexpr, KEY_BITS_LOW: gl.constexpr, VALUE_BITS: gl.constexpr,
+    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, PAD_HIGH: gl.constexpr,
+    PAD_LOW: gl.constexpr,
+    MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
+    KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
+    VALUE_BYTES: gl.constexpr, VALUE_TRANSPOSE: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr,
 ):
@@ -363,7 +366,7 @@ def _decode_split_kernel_mma(
 
     m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA)  # rows: value_row_channel order
+    acc = gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA)  # rows: channels
 
     # Sinks: split 0 only.
     n_sink = gl.where(split == 0, gl.minimum(gl.load(sink_len_ptr + b), sink_cap), 0)
@@ -377,14 +380,20 @@ def _decode_split_kernel_mma(
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
     # Shared buffers: STAGES key groups in flight (asynchronous copies), read back in the operand layouts.
-    PLANES: gl.constexpr = PLANES_HIGH if PLANES_HIGH > BITS_LOW else BITS_LOW
     # (Buffers are indexed along their first dim; the layouts describe the rest.)
     SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     scale_dtype: gl.constexpr = k_scale_ptr.dtype.element_ty
-    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES * PLANES, WORDS, D], SHARED_2D)  # [stage * PLANES + plane]
+    SHARED_3D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
+    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)
+    key_bytes_smem = gl.allocate_shared_memory(gl.int32, [KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)  # transposed
     key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, D], SHARED_1D)  # [2 stage]: scale, [2 stage + 1]: zero
-    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, G, BITS_V * (D // 32)], SHARED_2D)
+    V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, G, V_COLUMNS], SHARED_2D)
+    value_bytes_smem = gl.allocate_shared_memory(gl.int32, [V_COLUMNS * 4, G // 4], SHARED_2D)  # transposed
+    # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step.
+    p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], SHARED_2D)
+    p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], SHARED_2D)
     value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, G], SHARED_1D)
     kc_high = kc_high_ptr + b * s_khb + h * s_khh
     kc_low = kc_low_ptr + b * s_klb + h * s_klh
@@ -394,43 +403,64 @@ def _decode_split_kernel_mma(
     v_scale = v_scale_ptr + b * s_vsb + h * s_vsh
     v_zero = v_zero_ptr + b * s_vzb + h * s_vzh
 
-    # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes),
-    # each with the query in stored order; the rows' prmt selectors and masks.
+    # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes).
+    # Their planes are 8-bit operands (bit j of a byte read as 2^j, see _key_tile_scores) met by the
+    # query times the group's channel scales in two 8-bit parts (high, low: 15 significant bits),
+    # made once per group by all warps together into shared memory (see _query_operands): rows
+    # [0, QUERY_ROWS) of each operand; the rest stay zero. Both tiles are W_TILE wide.
+    W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
+    Q2: gl.constexpr = gl.SliceLayout(1, QUERY)  # [QUERY_ROWS, W_TILE]
     order_ptrs = order_ptr + b * s_ob + h * s_oh
-    jq_mask = gl.expand_dims(j_b < RATIO, 0)
-    key_selector, key_mask = _bit_operands(gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1))
+    j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, Q2)), 1)
+    c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, Q2))
     if W_HIGH > 0:
-        high_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_HIGH))), 0), 2)
-        d_high = gl.arange(0, W_HIGH, layout=gl.SliceLayout(1, B))
-        q_high = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_high), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
+        q_high = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0),
+                         mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
+        bits_high = gl.expand_dims(gl.where(c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
+        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], SHARED_2D)
+        query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], SHARED_2D)
+        if QUERY_ROWS < BLOCK_Q:
+            no_query = gl.zeros([BLOCK_Q, PAD_HIGH * W_TILE], gl.int8, layout=COPY_VALUES)
+            query_hh_smem.store(no_query)
+            query_hl_smem.store(no_query)
     if W_LOW > 0:
-        low_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, KEY_BITS_LOW))), 0), 2)
-        d_low = W_HIGH + gl.arange(0, W_LOW, layout=gl.SliceLayout(1, B))
-        q_low = gl.load(q_cols + gl.expand_dims(gl.load(order_ptrs + d_low), 1), mask=jq_mask, other=0.0).to(gl.float32) * qk_scale
-    # Score rows read bit r % 8 of their bytes: their codes came out 2^(r % 8) times too large.
+        q_low = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
+                        mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
+        bits_low = gl.expand_dims(gl.where(W_HIGH + c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
+        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], SHARED_2D)
+        query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], SHARED_2D)
+        if QUERY_ROWS < BLOCK_Q:
+            no_query = gl.zeros([BLOCK_Q, PAD_LOW * W_TILE], gl.int8, layout=COPY_VALUES)
+            query_lh_smem.store(no_query)
+            query_ll_smem.store(no_query)
+    # Per query column and group: the scores' scale and offset, handed to the MMA layout in shared memory.
+    column_scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
+    column_offset_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
+    if QUERY_ROWS < BLOCK_Q:
+        no_column = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, MMA))
+        column_scale_smem.store(no_column)
+        column_offset_smem.store(no_column)
+    # Score row t read bit t % 8 of its bytes: its codes came out 2^(t % 8) times too large, and bit 7
+    # is the sign bit of an 8-bit integer (-128).
     t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
-    key_unit = gl.expand_dims(gl.exp2(-(t_s % 8).to(gl.float32)), 1)
+    key_unit = gl.expand_dims(gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32)), 1)
+    key_mask = gl.expand_dims(0x01010101 << (gl.arange(0, T, layout=gl.SliceLayout(1, A8)) % 8), 1)
+    no_keys = gl.zeros([T, BLOCK_Q], gl.int32, layout=MMA)
 
-    # Value words [D / 32, T] of a plane: bit i of word w of token t is channel 32 w + i.
-    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, VALUE_BITS)
-    v_bit = gl.expand_dims(gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, VALUE_BITS))), 0), 2)
-    v_channel = gl.expand_dims(_row_channel(gl.arange(0, D, layout=gl.SliceLayout(1, A)), D), 1)
-    value_selector, value_mask = _bit_operands(v_channel)
+    # Value planes: 8-bit operands like the keys' (row c read bit c % 8 of its bytes).
+    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 8, T / 4]
     rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    value_unit = gl.expand_dims(gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)  # channel % 8 = row % 8
-    PLANE_SUM_HIGH: gl.constexpr = MAGIC_VALUE * (2**PLANES_HIGH - 1)
-    PLANE_SUM_LOW: gl.constexpr = MAGIC_VALUE * (2**BITS_LOW - 1)
-    PLANE_SUM_V: gl.constexpr = MAGIC_VALUE * (2**BITS_V - 1)
+    value_unit = gl.expand_dims(gl.where(rows_acc % 8 == 7, -1.0, 1.0) * gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)
+    value_mask = gl.expand_dims(0x01010101 << (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 8), 1)
     no_scores = gl.zeros([T, BLOCK_Q], gl.float32, layout=MMA)
-    no_values = gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA)
+    no_values = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
     l_rows = no_scores  # per-thread partial sums over the packed tokens, see below
     zero_rows = no_scores
-    magic_rows = no_scores
 
     group_start = split * per_split
     for i in gl.static_range(STAGES - 1):
         _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
-                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, PLANES, COPY_KEYS, COPY_VALUES)
+                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
         async_copy.commit_group()
         params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
                                     D, G, PARAMS_D, PARAMS_G)  # fmt: skip
@@ -441,49 +471,58 @@ def _decode_split_kernel_mma(
         ahead = group + STAGES - 1
         ahead_stage = (ahead - group_start) % STAGES
         _copy_group_codes(key_smem, value_smem, ahead_stage, ahead, ahead < group_end, kc_high, kc_low,
-                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, PLANES, COPY_KEYS, COPY_VALUES)
+                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
         async_copy.commit_group()
         params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
         async_copy.wait_group(STAGES - 1)
         _barrier()
         stage = (group - group_start) % STAGES
-        # q . (zero + code * scale) = (q * scale) . code + q . zero. The planes carry M + 2^j * bit, so the
-        # score accumulators start at -(sum over planes of M) * sum(q * scale): an MMA of that constant
-        # with the 16-bit q * scale the planes meet, which also broadcasts it over the rows.
-        k_offset = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, B))
-        k_start = no_scores
+        # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of
+        # one scale per column (its largest term, code bits included, is 127).
+        _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS)
+        _transpose_value_words(value_bytes_smem, value_smem, stage, V_COLUMNS, G, VALUE_TRANSPOSE)
+        # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
+        value_peak = gl.max(value_param_smem.index(2 * stage).load(PARAMS_G).to(gl.float32), 0)
+        value_inverse = gl.where(value_peak > 0.0, 127.0 / value_peak, 0.0)
+        value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
+        # Per column: the largest term (code bits included) and sum(q * zero), one reduction each.
         if W_HIGH > 0:
-            scale = key_param_smem.index(2 * stage).slice(0, W_HIGH).load(gl.SliceLayout(1, B)).to(gl.float32)
-            zero = key_param_smem.index(2 * stage + 1).slice(0, W_HIGH).load(gl.SliceLayout(1, B)).to(gl.float32)
-            q_high_scaled = (q_high * gl.expand_dims(scale, 1)).to(dtype)
-            k_offset += gl.sum(q_high * gl.expand_dims(zero, 1), 0)
-            if not EXACT:
-                k_start = mma_v2(gl.full([T, W_HIGH], -PLANE_SUM_HIGH, dtype, A), q_high_scaled, k_start)
+            x_high = q_high * gl.expand_dims(key_param_smem.index(2 * stage).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            terms = gl.abs(x_high) * (1 << (bits_high - 1)).to(gl.float32)
+            offsets = q_high * gl.expand_dims(key_param_smem.index(2 * stage + 1).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
         if W_LOW > 0:
-            scale = key_param_smem.index(2 * stage).slice(W_HIGH, W_LOW).load(gl.SliceLayout(1, B)).to(gl.float32)
-            zero = key_param_smem.index(2 * stage + 1).slice(W_HIGH, W_LOW).load(gl.SliceLayout(1, B)).to(gl.float32)
-            q_low_scaled = (q_low * gl.expand_dims(scale, 1)).to(dtype)
-            k_offset += gl.sum(q_low * gl.expand_dims(zero, 1), 0)
-            if not EXACT:
-                k_start = mma_v2(gl.full([T, W_LOW], -PLANE_SUM_LOW, dtype, A), q_low_scaled, k_start)
-        k_offset = gl.expand_dims(gl.convert_layout(k_offset, gl.SliceLayout(0, MMA)), 0)
-        for step in gl.static_range(G // T):
-            s_even = k_start
-            s_odd = no_scores
+            x_low = q_low * gl.expand_dims(key_param_smem.index(2 * stage).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            low_terms = gl.abs(x_low) * (1 << (bits_low - 1)).to(gl.float32)
+            low_offsets = q_low * gl.expand_dims(key_param_smem.index(2 * stage + 1).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             if W_HIGH > 0:
-                s_even, s_odd = _key_tile_scores(
-                    s_even, s_odd, key_smem, stage, step * (T // 32), q_high_scaled, key_selector, key_mask, high_bit,
-                    0, W_HIGH, PLANES, PLANES_HIGH, T, A, KEY_BITS_HIGH, MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
-                )  # fmt: skip
-            if W_LOW > 0:
-                s_even, s_odd = _key_tile_scores(
-                    s_even, s_odd, key_smem, stage, step * (T // 32), q_low_scaled, key_selector, key_mask, low_bit,
-                    W_HIGH, W_LOW, PLANES, BITS_LOW, T, A, KEY_BITS_LOW, MAGIC_BITS, MAGIC_STEP, MAGIC_DIV, EXACT, ASM,
-                )  # fmt: skip
-            if EXACT:
-                scores = s_even * key_unit + k_offset
+                terms = gl.maximum(terms, low_terms)
+                offsets += low_offsets
             else:
-                scores = (s_even + 2.0 * s_odd) * key_unit + k_offset
+                terms = low_terms
+                offsets = low_offsets
+        peak = gl.max(terms, 1)
+        k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
+        inverse = gl.expand_dims(gl.where(peak > 0.0, 127.0 / peak, 0.0), 1)
+        if W_HIGH > 0:
+            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, PAD_HIGH, QUERY_ROWS, W_TILE, QUERY)
+        if W_LOW > 0:
+            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, PAD_LOW, QUERY_ROWS, W_TILE, QUERY)
+        # Score = (128 * high + low) * peak / (127 * 128) * 2^-(t % 8) + offset.
+        column_scale_smem.slice(0, QUERY_ROWS).store(peak * (1.0 / (127.0 * 128.0)))
+        column_offset_smem.slice(0, QUERY_ROWS).store(k_offset)
+        _barrier()  # the transposed words, the query operands and the column factors are in shared memory
+        key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, MMA)), 0)
+        k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, MMA)), 0)
+        for step in gl.static_range(G // T):
+            high = no_keys
+            low = no_keys
+            if W_HIGH > 0:
+                high, low = _key_tile_scores(high, low, key_bytes_smem, query_hh_smem, query_hl_smem, step * (T // 32),
+                                             key_mask, 0, W_HIGH, PLANES_HIGH, WORDS, T, A8, B8, KEY_BYTES_HIGH)
+            if W_LOW > 0:
+                high, low = _key_tile_scores(high, low, key_bytes_smem, query_lh_smem, query_ll_smem, step * (T // 32),
+                                             key_mask, W_HIGH, W_LOW, BITS_LOW, WORDS, T, A8, B8, KEY_BYTES_LOW)
+            scores = (high * 128 + low).to(gl.float32) * key_scale + k_offset
 
             token_scale = gl.expand_dims(value_param_smem.index(2 * stage).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
             token_zero = gl.expand_dims(value_param_smem.index(2 * stage + 1).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
@@ -492,37 +531,36 @@ def _decode_split_kernel_mma(
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
             # p . (zero + code * scale) = (p * scale) . code + p . zero. The sums over tokens (of p, of
-            # p * zero, of the M terms) stay per thread, rescaled like acc, and are reduced once after the loop.
-            p_scaled = (p * token_scale).to(dtype)
+            # p * zero) stay per thread, rescaled like acc, and are reduced once after the loop.
             l_i = l_i * alpha
             l_rows = l_rows * alpha_row + p
             zero_rows = zero_rows * alpha_row + p * token_zero
-            if not EXACT:
-                magic_rows = magic_rows * alpha_row + p_scaled.to(gl.float32)
-            v_even = no_values
-            v_odd = no_values
-            p_operand = gl.convert_layout(p_scaled, B)
+            y = p * token_scale * value_inverse
+            p_high = gl.floor(y + 0.5)
+            p_high_smem.store(gl.permute(p_high.to(gl.int8), [1, 0]))
+            p_low_smem.store(gl.permute(gl.floor((y - p_high) * 128.0 + 0.5).to(gl.int8), [1, 0]))
+            _barrier()  # every warp's tokens of p are in shared memory
+            p_high = p_high_smem.permute([1, 0]).load(B8)
+            p_low = p_low_smem.permute([1, 0]).load(B8)
+            v_high = no_values
+            v_low = no_values
             for plane in gl.static_range(BITS_V):
-                words = value_smem.index(stage).slice(step * T, T, 0).slice(plane * (D // 32), D // 32, 1).permute([1, 0])
-                words = _relabel_value_rows(gl.reshape(gl.broadcast(gl.expand_dims(words.load(VALUE_WORDS), 1), v_bit)[0], [D, T]), D, T, A)
-                operand = _plane_operand(words, value_selector, value_mask, MAGIC_BITS + (plane // MAGIC_DIV) * MAGIC_STEP, ASM, q_natural)
-                if EXACT or plane % 2 == 0:
-                    v_even = mma_v2(operand, p_operand, v_even)
-                else:
-                    v_odd = mma_v2(operand, p_operand, v_odd)
-            # Summed apart from acc, so that the M terms of this step meet acc already scaled to its units.
-            if EXACT:
-                acc = acc * alpha_row + v_even * value_unit
-            else:
-                acc = acc * alpha_row + (v_even + 2.0 * v_odd) * value_unit
+                # [channel byte, token quad] -> broadcast over (bit, token within the quad) -> [D, T]: no data moves.
+                words = value_bytes_smem.slice(plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
+                words = gl.expand_dims(gl.expand_dims(words, 1), 3)
+                words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 8, 8, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
+                                          A8, assert_trivial=True)
+                operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
+                for _ in gl.static_range(1 << plane):  # plane p counts 2^p times
+                    v_high = mma_v2(operand, p_high, v_high)
+                    v_low = mma_v2(operand, p_low, v_low)
+            acc = acc * alpha_row + (v_high * 128 + v_low).to(gl.float32) * value_scale
             m_i = m_new
         _store_group_params(key_param_smem, value_param_smem, ahead_stage, params)
         _barrier()  # every warp is done with this stage before the next iteration refills it
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
-    if not EXACT:
-        acc -= value_unit * gl.expand_dims(gl.convert_layout(PLANE_SUM_V * gl.sum(magic_rows, 0), gl.SliceLayout(0, MMA)), 0)
 
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
@@ -535,7 +573,7 @@ def _decode_split_kernel_mma(
     j_ok = j_s < RATIO
     gl.store(m_out_ptr + rows, m_i, mask=j_ok)
     gl.store(l_out_ptr + rows, l_i, mask=j_ok)
-    gl.store(acc_out_ptr + gl.expand_dims(rows, 0) * D + gl.expand_dims(_row_channel(rows_acc, D), 1), acc,
+    gl.store(acc_out_ptr + gl.expand_dims(rows, 0) * D + gl.expand_dims(rows_acc, 1), acc,
              mask=gl.expand_dims(j_ok, 0))
 
 
@@ -560,24 +598,25 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
 
 @functools.cache
 def kernel_constants(
-    dtype: torch.dtype, head_dim: int, ratio: int, group_size: int, num_high: int,
+    head_dim: int, ratio: int, group_size: int, num_high: int,
     bits_high: int, bits_low: int, bits_value: int, stages: int = STAGES,
 ) -> dict:
     """The split kernel's constexpr arguments for a cache of these shapes (the launcher's, and
     ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
-    exact = dtype == torch.float16
     high_width = high_tile_width(head_dim, num_high)
-    plane_divisor = 1 if exact else 2  # planes p with the same p // divisor share a magic
+    block_q = max(8, triton.next_power_of_2(ratio))
+    planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
+    key_planes = triton.next_power_of_2(max(planes_high, bits_low))
     return dict(
-        RATIO=ratio, BLOCK_Q=max(8, triton.next_power_of_2(ratio)), D=head_dim,
+        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=triton.next_power_of_2(ratio), D=head_dim,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
-        W_HIGH=high_width, PLANES_HIGH=bits_high if high_width == num_high else max(bits_high, bits_low),
-        EXACT=exact, MAGIC_VALUE=0.0 if exact else float(torch.tensor(MAGIC[dtype], dtype=torch.int16).view(dtype)),
-        MAGIC_BITS=MAGIC[dtype], MAGIC_DIV=plane_divisor, MAGIC_STEP=plane_magic(dtype, plane_divisor) - MAGIC[dtype],
-        ASM=unpack_asm(exact), STAGES=stages,
-        COPY_KEYS=copy_layout(group_size // 32, head_dim), COPY_VALUES=copy_layout(group_size, bits_value * head_dim // 32),
+        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
+        PAD_HIGH=triton.next_power_of_2(planes_high), PAD_LOW=triton.next_power_of_2(bits_low),
+        STAGES=stages,
+        COPY_KEYS=quad_layout(group_size // 32 * key_planes, head_dim // 4), COPY_VALUES=copy_layout(group_size, bits_value * head_dim // 32),
+        VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
         PARAMS_D=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]), PARAMS_G=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]),
-        **layouts(head_dim, high_width),
+        **layouts(head_dim, high_width, triton.next_power_of_2(ratio)),
     )  # fmt: skip
 
 
@@ -602,7 +641,7 @@ def mma_decode_attention(
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
     constants = dict(
         kernel_constants(
-            query.dtype, head_dim, q_heads // heads, 32 * words, c_high,
+            head_dim, q_heads // heads, 32 * words, c_high,
             bits_high, key_codes_low.shape[3], value_codes.shape[3], stages,
         ),
         num_warps=NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers}),

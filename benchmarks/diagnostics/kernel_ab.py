@@ -1,0 +1,100 @@
+"""The Gluon decode-attention kernel against an earlier copy of it, side by side in one process (GPU).
+
+    git show COMMIT:kernels/decode_attention_mma.py > /tmp/baseline_mma.py
+    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--out DIR]
+
+The copy is loaded as a module of ``pnmix_patch.kernels`` (its relative imports resolve there),
+so it runs with today's Triton kernel helpers and merge kernel. For each preset and shape of
+``bench_attention.py`` (Qwen3-8B heads, bf16, caches packed by the kernels): the relative error
+of both against the float32 reference (small shapes), then the median time of each (CUDA-graph
+replays) at its own default split count, and of the current kernel at split counts filling 2, 3
+and 4 programs per multiprocessor (the occupancy its registers allow may have changed). Writes
+``kernel_ab.json`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import KV_HEADS, PRESETS, build_cache, median_ms  # noqa: E402
+
+from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
+from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits, decode_attention_reference  # noqa: E402
+
+SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)],
+          "pnmix-2": [(1, 32768), (32, 32768), (64, 16384)], "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
+ERROR_SHAPES = [(8, 4096)]
+
+
+def load_baseline(path: str):
+    spec = importlib.util.spec_from_file_location("pnmix_patch.kernels.baseline_decode_attention_mma", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="a copy of kernels/decode_attention_mma.py")
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    args = parser.parse_args()
+    baseline = load_baseline(args.baseline)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    started = time.time()
+    sms = _multiprocessors(device.index or 0)
+    errors, rows = [], []
+    for dtype in (torch.bfloat16, torch.float16):
+        for preset, config in PRESETS.items():
+            for batch, tokens in ERROR_SHAPES:
+                cache = build_cache(config, batch, tokens, dtype, device, ragged=True)
+                want = decode_attention_reference(*cache)
+                error = {"preset": preset, "dtype": str(dtype), "batch": batch, "context": tokens,
+                         "baseline": relative_error(baseline.mma_decode_attention(*cache), want),
+                         "current": relative_error(current.mma_decode_attention(*cache), want)}  # fmt: skip
+                errors.append(error)
+                print(f"  error {preset} {dtype}: baseline {error['baseline']:.2e}  current {error['current']:.2e}", flush=True)
+    for preset, shapes in SHAPES.items():
+        for batch, tokens in shapes:
+            cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
+            groups, group_size = cache[5].shape[2], 32 * cache[5].shape[4]
+            row = {"preset": preset, "batch": batch, "context": tokens,
+                   "baseline_splits": baseline.default_splits(cache[0], batch * KV_HEADS, groups, group_size),
+                   "current_splits": current.default_splits(cache[0], batch * KV_HEADS, groups, group_size),
+                   "baseline_ms": median_ms(lambda: baseline.mma_decode_attention(*cache)),
+                   "current_ms": median_ms(lambda: current.mma_decode_attention(*cache)), "current_by_slots": {}}  # fmt: skip
+            for per_sm in (2, 3, 4):
+                splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
+                row["current_by_slots"][per_sm] = {
+                    "splits": splits, "ms": median_ms(lambda: current.mma_decode_attention(*cache, num_splits=splits))}
+            row["speedup"] = row["baseline_ms"] / row["current_ms"]
+            rows.append(row)
+            slots = "  ".join(f"{k}/SM ({v['splits']}): {v['ms'] * 1e3:.1f}" for k, v in row["current_by_slots"].items())
+            print(f"  {preset} B={batch:3d} T={tokens:6d}: baseline {row['baseline_ms'] * 1e3:8.1f} us, current "
+                  f"{row['current_ms'] * 1e3:8.1f} us ({row['speedup']:.2f}x)   current at {slots}", flush=True)
+            del cache
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "seconds": round(time.time() - started, 1),
+              "command": f"python benchmarks/diagnostics/kernel_ab.py --baseline {args.baseline}",
+              "errors": errors, "timings": rows}  # fmt: skip
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "kernel_ab.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
