@@ -61,8 +61,10 @@ THREADS = gl.constexpr(32 * NUM_WARPS)
 BLOCK_T = gl.constexpr(64)
 """Tokens per step: 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
-STAGES = 3
-"""Key groups whose copies into shared memory are in flight while one is computed."""
+STAGES = 2
+"""Key groups whose copies into shared memory are in flight while one is computed (see :func:`default_splits`)."""
+MAX_REGISTERS = 128
+"""Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`)."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
@@ -164,6 +166,21 @@ def quad_layout(rows: int, quads: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, 1, 4], [32 // lanes, lanes, 1], [NUM_WARPS, 1, 1], [2, 1, 0])
 
 
+def operand_shared_layout(row_bytes: int, rows: int, slice_bytes: int) -> gl.SwizzledSharedLayout:
+    """Shared layout of an 8-bit B operand stored N-major (``[query heads, K]``, rows of ``row_bytes``),
+    written ``rows`` at a time and read in column slices of ``slice_bytes``: 16-byte chunks swizzled
+    within both, so that ``ldmatrix``'s eight row reads hit at most two rows per bank group."""
+    per_phase = max(1, 128 // row_bytes)
+    return gl.SwizzledSharedLayout(16, per_phase, max(1, min(8, row_bytes // 16, slice_bytes // 16, rows // per_phase)), [1, 0])
+
+
+def value_copy_layout(columns: int) -> gl.BlockedLayout:
+    """Layout of the value words' copy ``[columns, G]`` (word column, token): a word per thread,
+    consecutive lanes on consecutive global words (the columns of a token, then the next tokens)."""
+    lanes = min(32, columns)
+    return gl.BlockedLayout([1, 1], [lanes, 32 // lanes], [1, NUM_WARPS], [0, 1])
+
+
 def _planes_layout(layout: gl.BlockedLayout) -> gl.BlockedLayout:
     """``layout`` ``[rows, cols]`` with a middle dimension held in registers: ``[rows, planes, cols]``."""
     (r, c), (lr, lc), (wr, wc) = layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta
@@ -200,9 +217,10 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
     """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
     bases) into ``stage`` of the shared buffers: the key words ``[PLANES * G / 32, D / 4, 4]`` (row
     p * G / 32 + w: word row w of plane p; channel 4q + i at ``[q, i]``, stored channel order; zeros
-    where a channel has fewer planes, and in the padding planes) and the value words ``[G, b_V * D /
-    32]``. Nothing is read when not ``valid`` (a group past this split's end). One copy per buffer:
-    copies into one buffer are each fenced by a barrier."""
+    where a channel has fewer planes, and in the padding planes) and the value words transposed,
+    ``[b_V * D / 32, G]`` (one word per copy, the buffer swizzled so that neither these writes nor
+    the 16-byte reads of four tokens conflict). Nothing is read when not ``valid`` (a group past
+    this split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
     WORDS: gl.constexpr = G // 32
     row = gl.expand_dims(gl.expand_dims(gl.arange(0, PLANES * WORDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
     quad = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
@@ -214,8 +232,8 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
     low = kc_low + ((group * BITS_LOW + plane) * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH)
     present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW) & valid
     async_copy.async_copy_global_to_shared(key_smem.index(stage), gl.where(is_high, high, low), mask=present)
-    token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
-    column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(0, COPY_VALUES)), 0)
+    column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(1, COPY_VALUES)), 1)
+    token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
     async_copy.async_copy_global_to_shared(value_smem.index(stage),
                                            v_codes + (group * G + token) * (BITS_V * (D // 32)) + column, mask=valid)
 
@@ -232,11 +250,11 @@ def _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS: gl.constexp
 @gluon.jit
 def _transpose_value_words(value_bytes_smem, value_smem, stage, COLUMNS: gl.constexpr, G: gl.constexpr,
                            VALUE_TRANSPOSE: gl.constexpr):
-    """Byte-transpose the value words of ``stage`` (``[G, COLUMNS]``: column p * D / 32 + w holds
+    """Byte-transpose the value words of ``stage`` (``[COLUMNS, G]``: column p * D / 32 + w holds
     channels 32w .. 32w + 31 of plane p) into ``value_bytes_smem`` ``[COLUMNS * 4, G / 4]``: row
     4 * column + b, column tq holds byte b (channels 8b .. 8b + 7 of the column, bit j: channel
     8b + j) of tokens 4tq .. 4tq + 3 (byte i: token 4tq + i), four 8-bit value operand elements."""
-    words = value_smem.index(stage).permute([1, 0]).load(VALUE_TRANSPOSE)  # [COLUMNS, G], 4 tokens per thread
+    words = value_smem.index(stage).load(VALUE_TRANSPOSE)  # 4 tokens per thread
     words = gl.inline_asm_elementwise(TRANSPOSE_ASM, TRANSPOSE_CONSTRAINTS, [words], gl.int32, True, 4)
     words = gl.reshape(gl.permute(gl.reshape(words, [COLUMNS, G // 4, 4]), [0, 2, 1]), [COLUMNS * 4, G // 4])
     value_bytes_smem.store(words)
@@ -346,6 +364,7 @@ def _decode_split_kernel_mma(
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
     KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
     VALUE_BYTES: gl.constexpr, VALUE_TRANSPOSE: gl.constexpr,
+    QUERY_HIGH_SHARED: gl.constexpr, QUERY_LOW_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr,
 ):
@@ -389,11 +408,11 @@ def _decode_split_kernel_mma(
     key_bytes_smem = gl.allocate_shared_memory(gl.int32, [KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)  # transposed
     key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, D], SHARED_1D)  # [2 stage]: scale, [2 stage + 1]: zero
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
-    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, G, V_COLUMNS], SHARED_2D)
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS, G], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     value_bytes_smem = gl.allocate_shared_memory(gl.int32, [V_COLUMNS * 4, G // 4], SHARED_2D)  # transposed
     # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step.
-    p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], SHARED_2D)
-    p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], SHARED_2D)
+    p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
+    p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
     value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, G], SHARED_1D)
     kc_high = kc_high_ptr + b * s_khb + h * s_khh
     kc_low = kc_low_ptr + b * s_klb + h * s_klh
@@ -417,20 +436,20 @@ def _decode_split_kernel_mma(
         q_high = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0),
                          mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
         bits_high = gl.expand_dims(gl.where(c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
-        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], SHARED_2D)
-        query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], SHARED_2D)
+        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
+        query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
         if QUERY_ROWS < BLOCK_Q:
-            no_query = gl.zeros([BLOCK_Q, PAD_HIGH * W_TILE], gl.int8, layout=COPY_VALUES)
+            no_query = gl.zeros([BLOCK_Q, PAD_HIGH * W_TILE], gl.int8, layout=gl.SliceLayout(1, QUERY))
             query_hh_smem.store(no_query)
             query_hl_smem.store(no_query)
     if W_LOW > 0:
         q_low = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
                         mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
         bits_low = gl.expand_dims(gl.where(W_HIGH + c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
-        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], SHARED_2D)
-        query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], SHARED_2D)
+        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
+        query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
         if QUERY_ROWS < BLOCK_Q:
-            no_query = gl.zeros([BLOCK_Q, PAD_LOW * W_TILE], gl.int8, layout=COPY_VALUES)
+            no_query = gl.zeros([BLOCK_Q, PAD_LOW * W_TILE], gl.int8, layout=gl.SliceLayout(1, QUERY))
             query_lh_smem.store(no_query)
             query_ll_smem.store(no_query)
     # Per query column and group: the scores' scale and offset, handed to the MMA layout in shared memory.
@@ -578,22 +597,17 @@ def _decode_split_kernel_mma(
 
 
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
-    """Split count: the kernel runs with the compiler's register choice, and the splits fill the
-    program slots in waves at least 95% full. Slots per multiprocessor, as measured on an H200
-    (Triton 3.6, bf16; ``bench_attention.py --sweep-mma`` and ``--sweep-occupancy``):
+    """Split count: the splits fill 4 program slots per multiprocessor in waves at least 95% full.
 
-    - 2 in general (pnmix-1, G = 128: 226 registers per thread in Nsight Compute, two programs
-      fit). Capping the registers at 128, 160 or 168 (3-4 programs) is slower at batch 1-64 (batch
-      32 / 32K: 679.3 us uncapped, 701.1-816.5 capped) and within 0.2% at batch 580 / 8K
-      (3,067.3 against 3,061.9 at cap 160).
-    - 3 for key groups of 64 tokens (pnmix-2; 168 registers in the offline sm_90 compile of
-      ``kernel_sass.py`` with Triton 3.7.1, where pnmix-1 takes 208) once there are at least 64 KV
-      programs: uncapped, batch 8 / 16K 122.5 against 126.7 us with 2 slots, batch 32 / 32K 866.7
-      against 931.6, batch 64 / 16K 865.9 against 928.9; at batch 1 (8 KV programs) 2 slots stay
-      faster (37.1 against 41.1 us at 32K).
+    The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
+    168, three programs per multiprocessor) and ``STAGES`` = 2 groups in flight (with 3 the shared
+    memory of four programs does not fit). Its instructions depend on shared-memory loads closely, so
+    it needs the fourth program's warps to hide their latency. Measured on an H200 (Triton 3.6,
+    bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``; us, against 3 groups in flight
+    uncapped at 3 slots): pnmix-1 batch 1 / 32K 28.2 (34.6), batch 8 / 16K 94.6 (102.5), batch 32 /
+    32K 673.7 (707.9), batch 580 / 8K 3,007.2 (3,237.0); pnmix-2 batch 32 / 32K 855.6 (961.1).
     """
-    per_multiprocessor = 3 if group_size == 64 and kv_programs >= 64 else 2
-    return _wave_filling_splits(per_multiprocessor * _multiprocessors(query.device.index), kv_programs, max_groups)
+    return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
 
 
 @functools.cache
@@ -607,16 +621,22 @@ def kernel_constants(
     block_q = max(8, triton.next_power_of_2(ratio))
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     key_planes = triton.next_power_of_2(max(planes_high, bits_low))
+    pad_high, pad_low = triton.next_power_of_2(planes_high), triton.next_power_of_2(bits_low)
+    tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
+    query_rows = triton.next_power_of_2(ratio)
     return dict(
-        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=triton.next_power_of_2(ratio), D=head_dim,
+        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
-        PAD_HIGH=triton.next_power_of_2(planes_high), PAD_LOW=triton.next_power_of_2(bits_low),
+        PAD_HIGH=pad_high, PAD_LOW=pad_low,
         STAGES=stages,
-        COPY_KEYS=quad_layout(group_size // 32 * key_planes, head_dim // 4), COPY_VALUES=copy_layout(group_size, bits_value * head_dim // 32),
+        COPY_KEYS=quad_layout(group_size // 32 * key_planes, head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
+        QUERY_HIGH_SHARED=operand_shared_layout(pad_high * tile, query_rows, tile),
+        QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, query_rows, tile),
+        P_SHARED=operand_shared_layout(BLOCK_T.value, block_q, BLOCK_T.value),
         VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
         PARAMS_D=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]), PARAMS_G=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]),
-        **layouts(head_dim, high_width, triton.next_power_of_2(ratio)),
+        **layouts(head_dim, high_width, query_rows),
     )  # fmt: skip
 
 
@@ -626,13 +646,13 @@ def mma_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    max_registers: int | None = None, stages: int = STAGES,
+    max_registers: int | None = MAX_REGISTERS, stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
 
     The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
-    ``max_registers`` (per thread, Triton's ``maxnreg``; default the compiler's choice) and ``stages``
+    ``max_registers`` (per thread, Triton's ``maxnreg``; None: the compiler's choice) and ``stages``
     (key groups in flight) are for benchmarks that sweep them.
     """
     batch, q_heads, head_dim = query.shape

@@ -8,8 +8,10 @@ so it runs with today's Triton kernel helpers and merge kernel. For each preset 
 ``bench_attention.py`` (Qwen3-8B heads, bf16, caches packed by the kernels): the relative error
 of both against the float32 reference (small shapes), then the median time of each (CUDA-graph
 replays) at its own default split count, and of the current kernel at split counts filling 2, 3
-and 4 programs per multiprocessor (the occupancy its registers allow may have changed). Writes
-``kernel_ab.json`` under ``--out`` (default ``benchmarks/results``).
+and 4 programs per multiprocessor (the occupancy its registers allow may have changed). With
+``--variants``, also the current kernel's launch variants of ``VARIANTS`` (groups in flight,
+register cap, split slots per multiprocessor) on a few shapes. Writes ``kernel_ab.json`` under
+``--out`` (default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling
 SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)],
           "pnmix-2": [(1, 32768), (32, 32768), (64, 16384)], "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
 ERROR_SHAPES = [(8, 4096)]
+VARIANTS = [(3, None, 3), (2, None, 3), (2, 128, 4), (3, 128, 4), (2, 160, 3)]  # (stages, max registers, slots per SM)
+VARIANT_SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 32768), (580, 8192)], "pnmix-2": [(32, 32768)]}
 
 
 def load_baseline(path: str):
@@ -51,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="a copy of kernels/decode_attention_mma.py")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
+    parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
     args = parser.parse_args()
     baseline = load_baseline(args.baseline)
     device = torch.device("cuda")
@@ -68,7 +74,7 @@ def main() -> None:
                          "current": relative_error(current.mma_decode_attention(*cache), want)}  # fmt: skip
                 errors.append(error)
                 print(f"  error {preset} {dtype}: baseline {error['baseline']:.2e}  current {error['current']:.2e}", flush=True)
-    for preset, shapes in SHAPES.items():
+    for preset, shapes in ({} if args.skip_ab else SHAPES).items():
         for batch, tokens in shapes:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             groups, group_size = cache[5].shape[2], 32 * cache[5].shape[4]
@@ -87,11 +93,27 @@ def main() -> None:
             print(f"  {preset} B={batch:3d} T={tokens:6d}: baseline {row['baseline_ms'] * 1e3:8.1f} us, current "
                   f"{row['current_ms'] * 1e3:8.1f} us ({row['speedup']:.2f}x)   current at {slots}", flush=True)
             del cache
+    variants = []
+    for preset, shapes in (VARIANT_SHAPES if args.variants else {}).items():
+        for batch, tokens in shapes:
+            cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
+            groups = cache[5].shape[2]
+            ms = median_ms(lambda: baseline.mma_decode_attention(*cache))
+            variants.append({"preset": preset, "batch": batch, "context": tokens, "kernel": "baseline", "ms": ms})
+            print(f"  {preset} B={batch:3d} T={tokens:6d} baseline (its defaults): {ms * 1e3:8.1f} us", flush=True)
+            for stages, registers, per_sm in VARIANTS:
+                splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
+                ms = median_ms(lambda: current.mma_decode_attention(*cache, num_splits=splits, max_registers=registers, stages=stages))
+                variants.append({"preset": preset, "batch": batch, "context": tokens, "stages": stages, "max_registers": registers,
+                                 "slots_per_sm": per_sm, "splits": splits, "ms": ms})  # fmt: skip
+                print(f"  {preset} B={batch:3d} T={tokens:6d} stages={stages} registers={registers} slots={per_sm}/SM "
+                      f"splits={splits:3d}: {ms * 1e3:8.1f} us", flush=True)
+            del cache
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "seconds": round(time.time() - started, 1),
-              "command": f"python benchmarks/diagnostics/kernel_ab.py --baseline {args.baseline}",
-              "errors": errors, "timings": rows}  # fmt: skip
+              "command": " ".join(["python benchmarks/diagnostics/kernel_ab.py"] + sys.argv[1:]),
+              "errors": errors, "timings": rows, "variants": variants}  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "kernel_ab.json").write_text(json.dumps(report, indent=2))
 

@@ -206,7 +206,9 @@ def test_launch_passes_every_kernel_argument(monkeypatch):
     (grid, positional, keywords), = calls
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
-    assert len(positional) + len(keywords) - 1 == len(names)  # num_warps is a launch option
-    assert set(keywords) - {"num_warps"} == set(names[len(positional):])
+    options = {"num_warps", "maxnreg"}  # launch options
+    assert keywords["maxnreg"] == mma.MAX_REGISTERS
+    assert len(positional) + len(keywords) - len(options) == len(names)
+    assert set(keywords) - options == set(names[len(positional):])
     assert positional[names.index("group_cap")] == args[5].shape[2]
     assert keywords["D"] == 128 and keywords["G"] == 128 and keywords["BLOCK_Q"] == 8
