@@ -356,7 +356,7 @@ def sweep_splits(device) -> list[dict]:
 def sweep_mma(device) -> list[dict]:
     """Register cap x split count x key groups in flight of the Gluon split kernel (pnmix-1, bf16),
     the default flagged."""
-    from pnmix_patch.kernels.decode_attention_mma import STAGES, default_splits, mma_decode_attention
+    from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, STAGES, default_splits, mma_decode_attention
 
     rows = []
     candidates = {1: (16, 22, 33, 44, 66), 8: (4, 6, 8, 12, 16), 32: (1, 2, 3, 4), 64: (1, 2, 4)}
@@ -367,7 +367,7 @@ def sweep_mma(device) -> list[dict]:
             for registers in (None, 128):
                 for splits in sorted({*candidates[batch], default}):
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers, stages=stages))
-                    flag = splits == default and registers is None and stages == STAGES
+                    flag = splits == default and registers == MAX_REGISTERS and stages == STAGES
                     rows.append({"batch": batch, "context": tokens, "stages": stages, "max_registers": registers,
                                  "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
                     print(f"  mma B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
@@ -379,9 +379,9 @@ def sweep_mma(device) -> list[dict]:
 def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
     pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
-    counts is timed once; the launch default (``default_splits``, uncapped) flagged."""
+    counts is timed once; the launch default (``default_splits``, ``MAX_REGISTERS``) flagged."""
     from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits
-    from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention
+    from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, default_splits, mma_decode_attention
 
     rows = []
     sms = _multiprocessors(device.index or 0)
@@ -397,7 +397,7 @@ def sweep_occupancy(device) -> list[dict]:
                         continue
                     timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
-                    flag = splits == default and registers is None
+                    flag = splits == default and registers == MAX_REGISTERS
                     rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,
                                  "programs_per_sm_assumed": per_sm, "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
                     print(f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "

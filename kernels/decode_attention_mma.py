@@ -28,14 +28,15 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   scale (``p <= 1``), and plane p is accumulated ``2^p`` times.
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
-- Key groups are staged in shared memory: ``cp.async`` copies of the codes of ``STAGES`` groups
-  are in flight while one is computed (the 16-bit scales and zeros, whose alignment ``cp.async``
+- Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
+  of ``STAGES - 1`` groups in flight while one is computed (the 16-bit scales and zeros, whose alignment ``cp.async``
   cannot assume, go through registers and are stored when the group before is done). Without it
   the kernel waited on memory: the same instructions took 1.5-2x as long.
 - Shared buffers are written one whole buffer per operation: Triton fences every write to a buffer
   that is read or written nearby with a barrier, whatever part of the buffer it touches.
 - The transposed words are read in a layout that is the A-operand layout with rows and columns
-  split into (word, byte, bit) and the bit dimensions dropped (``DistributedLinearLayout``);
+  split as the transposed words hold them and the bit and byte-in-register dimensions dropped
+  (``DistributedLinearLayout``);
   broadcasting back and reshaping is free (``convert_layout(..., assert_trivial=True)`` checks it
   at compile time).
 
@@ -57,12 +58,11 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
 NUM_WARPS = 4
-THREADS = gl.constexpr(32 * NUM_WARPS)
 BLOCK_T = gl.constexpr(64)
 """Tokens per step: 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 2
-"""Key groups whose copies into shared memory are in flight while one is computed (see :func:`default_splits`)."""
+"""Shared buffers of key groups: ``STAGES - 1`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
 MAX_REGISTERS = 128
 """Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`)."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
@@ -110,7 +110,7 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
 
 def _key_byte_layout(cols: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of a key tile ``[T, cols]`` with token t split into (word row,
-    byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see :func:`transpose_asm`)."""
+    byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see :data:`TRANSPOSE_ASM`)."""
 
     def split(bases):
         return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
@@ -151,15 +151,17 @@ def layouts(head_dim: int, high_width: int, query_rows: int) -> dict:
 
 
 def copy_layout(rows: int, cols: int) -> gl.BlockedLayout:
-    """A blocked layout of the 4 warps over ``[rows, cols]`` (at least 128 elements) with no element
-    held twice: each thread copies up to 4 consecutive elements of a row."""
+    """A blocked layout of the 4 warps over ``[rows, cols]``: up to 4 consecutive elements of a row per
+    thread, lanes along the row, warps along the columns only where the rows are fewer than the warps
+    (a tensor of fewer than 128 elements is then held more than once). Used for the query operands
+    ``[query heads, tile width]``: with 4 or more heads a row's reduction stays within a warp."""
     vector = max(1, min(4, rows * cols // (32 * NUM_WARPS)))
     lanes_col = min(32, cols // vector)
     warps_col = max(1, min(NUM_WARPS, cols // (vector * lanes_col)))
     return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
 
 
-def quad_layout(rows: int, quads: int) -> gl.BlockedLayout:
+def quad_layout(quads: int) -> gl.BlockedLayout:
     """A blocked layout of the 4 warps over ``[rows, quads, 4]`` words: each thread holds one quad of
     four consecutive words (one 16-byte access), lanes along the quads, warps along the rows."""
     lanes = min(32, quads)
@@ -200,8 +202,10 @@ prmt.b32 $2, x1, y1, 0x5410;
 prmt.b32 $3, x1, y1, 0x7632;
 }"""
 )
-"""PTX of the 4 x 4 byte transpose of four key words ``$4..$7`` (channels 4q .. 4q + 3, 32 tokens
-each) into ``$0..$3``: word ``b`` holds byte ``b`` (tokens 8b .. 8b + 7) of each, channel 4q + i in byte i."""
+"""PTX of the 4 x 4 byte transpose of four words ``$4..$7`` into ``$0..$3``: word ``b`` holds byte ``b``
+of each, input word i in byte i. Keys: the inputs are channels 4q .. 4q + 3 (32 tokens each), so
+word b holds tokens 8b .. 8b + 7; values: tokens 4tq .. 4tq + 3 (32 channels each), word b
+channels 8b .. 8b + 7."""
 TRANSPOSE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
 BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
 """PTX of one register of an 8-bit operand: a transposed word ANDed with ``0x01010101 << j``
@@ -398,7 +402,7 @@ def _decode_split_kernel_mma(
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Shared buffers: STAGES key groups in flight (asynchronous copies), read back in the operand layouts.
+    # Shared buffers: STAGES stages of key groups (STAGES - 1 copies in flight), transposed into the operand layouts.
     # (Buffers are indexed along their first dim; the layouts describe the rest.)
     SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -526,7 +530,7 @@ def _decode_split_kernel_mma(
             _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, PAD_HIGH, QUERY_ROWS, W_TILE, QUERY)
         if W_LOW > 0:
             _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, PAD_LOW, QUERY_ROWS, W_TILE, QUERY)
-        # Score = (128 * high + low) * peak / (127 * 128) * 2^-(t % 8) + offset.
+        # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
         column_scale_smem.slice(0, QUERY_ROWS).store(peak * (1.0 / (127.0 * 128.0)))
         column_offset_smem.slice(0, QUERY_ROWS).store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
@@ -597,14 +601,15 @@ def _decode_split_kernel_mma(
 
 
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
-    """Split count: the splits fill 4 program slots per multiprocessor in waves at least 95% full.
+    """Split count: the splits fill 4 program slots per multiprocessor in waves at least 95% full
+    (``group_size`` is not used by this rule; earlier rules did, and the callers pass it).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    168, three programs per multiprocessor) and ``STAGES`` = 2 groups in flight (with 3 the shared
-    memory of four programs does not fit). Its instructions depend on shared-memory loads closely, so
+    168, three programs per multiprocessor) and ``STAGES`` = 2 (one group's copies in flight; with
+    3 the shared memory of four programs does not fit). Its instructions depend on shared-memory loads closely, so
     it needs the fourth program's warps to hide their latency. Measured on an H200 (Triton 3.6,
-    bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``; us, against 3 groups in flight
-    uncapped at 3 slots): pnmix-1 batch 1 / 32K 28.2 (34.6), batch 8 / 16K 94.6 (102.5), batch 32 /
+    bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``; us, against 3 stages uncapped at 3
+    slots): pnmix-1 batch 1 / 32K 28.2 (34.6), batch 8 / 16K 94.6 (102.5), batch 32 /
     32K 673.7 (707.9), batch 580 / 8K 3,007.2 (3,237.0); pnmix-2 batch 32 / 32K 855.6 (961.1).
     """
     return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
@@ -630,7 +635,7 @@ def kernel_constants(
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
         PAD_HIGH=pad_high, PAD_LOW=pad_low,
         STAGES=stages,
-        COPY_KEYS=quad_layout(group_size // 32 * key_planes, head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
+        COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
         QUERY_HIGH_SHARED=operand_shared_layout(pad_high * tile, query_rows, tile),
         QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, query_rows, tile),
         P_SHARED=operand_shared_layout(BLOCK_T.value, block_q, BLOCK_T.value),
@@ -653,7 +658,7 @@ def mma_decode_attention(
 
     The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
     ``max_registers`` (per thread, Triton's ``maxnreg``; None: the compiler's choice) and ``stages``
-    (key groups in flight) are for benchmarks that sweep them.
+    (shared buffers of key groups) are for benchmarks that sweep them.
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]

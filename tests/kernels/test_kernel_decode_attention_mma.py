@@ -88,12 +88,17 @@ def test_byte_layouts_split_the_8_bit_operand():
         assert basis == [c >> 3, c & 7, t >> 2, t & 3]
 
 
-@pytest.mark.parametrize("rows, quads", [(4, 32), (16, 32), (2, 32), (8, 16)])
-def test_quad_layout_holds_quads(rows, quads):
-    """Each thread holds four consecutive words (one 16-byte access); lanes along the quads."""
-    layout = mma.quad_layout(rows, quads)
-    assert layout.size_per_thread == [1, 1, 4] and layout.threads_per_warp[1] == min(32, quads)
-    assert layout.threads_per_warp[0] * layout.threads_per_warp[1] == 32
+@pytest.mark.parametrize("layout, head_dim", [(layout, d) for layout in LAYOUTS for d in (64, 128)])
+def test_key_copy_layout_holds_each_quad_once(layout, head_dim):
+    """The key words' copy and transpose layout ``[KEY_PLANES * G / 32, D / 4, 4]``: one 16-byte quad
+    per thread, and one CTA tile fits inside the buffer (no quad copied or transposed twice)."""
+    _, group, bits_high, bits_low = LAYOUTS[layout]
+    constants = mma.kernel_constants(head_dim, 4, group, num_high(layout, head_dim), bits_high, bits_low, 2)
+    layout = constants["COPY_KEYS"]
+    shape = [constants["KEY_PLANES"] * group // 32, head_dim // 4, 4]
+    tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
+    assert layout.size_per_thread == [1, 1, 4]
+    assert all(size % extent == 0 for size, extent in zip(shape, tile))
 
 
 @pytest.mark.parametrize("head_dim, num_high, width", [(128, 64, 64), (128, 52, 64), (128, 128, 128), (128, 0, 0),
@@ -102,15 +107,17 @@ def test_high_tile_width(head_dim, num_high, width):
     assert mma.high_tile_width(head_dim, num_high) == width
 
 
-@pytest.mark.parametrize("rows, cols", [(2, 64), (4, 64), (2, 128), (4, 128), (8, 128), (64, 4), (128, 4), (64, 8), (128, 8)])
-def test_copy_layout_holds_each_element_once(rows, cols):
-    """The layouts of the value words ``[G, b_V * D / 32]`` (cp.async) and the query operands
-    ``[query heads, W]``: one CTA tile of the layout fits inside the shape (no element held by two
-    threads) and tiles it."""
+@pytest.mark.parametrize("rows, cols", [(1, 64), (2, 64), (4, 32), (4, 64), (8, 64), (16, 64), (1, 128), (4, 128), (8, 128)])
+def test_query_layout_tiles_and_reduces_within_a_warp(rows, cols):
+    """The query operands' layout ``[query heads, tile width]``: a CTA tile covers the tensor (held
+    more than once only when it has fewer than 128 elements), and from 4 heads on the warps split
+    the heads, so the per-head reductions over the tile stay within a warp."""
     layout = mma.copy_layout(rows, cols)
     tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
-    assert tile[0] <= rows and tile[1] <= cols and rows % tile[0] == 0 and cols % tile[1] == 0
-    assert layout.size_per_thread[1] <= 4 and (layout.threads_per_warp[0] * layout.threads_per_warp[1]) == 32
+    assert cols % tile[1] == 0 and (rows % tile[0] == 0 or rows * cols < 32 * mma.NUM_WARPS)
+    assert layout.size_per_thread[1] <= 4 and layout.threads_per_warp[0] * layout.threads_per_warp[1] == 32
+    if rows >= mma.NUM_WARPS:
+        assert layout.warps_per_cta[1] == 1
 
 
 def compile_for_sm90(layout: str, head_dim: int, ratio: int, dtype_name: str) -> str:
@@ -183,7 +190,8 @@ def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
     for splits in (None, 1, 3):
         got = mma.mma_decode_attention(*args, num_splits=splits).float()
         assert not got.isnan().any()
-        # bf16 rounds q * scale and p to 8 significant bits (the Triton kernel's worst element is as far off)
+        # Tolerances of the earlier 16-bit operands (8 significant bits); the 8-bit parts carry 15, and
+        # the sinks and residual are still bf16 products. Not tightened: the errors of these cases were not measured.
         tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
         torch.testing.assert_close(got, want.float(), atol=tolerance, rtol=tolerance)
         assert (got - want.float()).norm() / want.float().norm() < tolerance / 4
