@@ -145,12 +145,12 @@ def layouts(head_dim: int, high_width: int, query_rows: int) -> dict:
         B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
         KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim),
         KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim),
-        QUERY=_planes_layout(copy_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim)),
+        QUERY=_planes_layout(query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim)),
         VALUE_BYTES=_value_byte_layout(head_dim),
     )
 
 
-def copy_layout(rows: int, cols: int) -> gl.BlockedLayout:
+def query_layout(rows: int, cols: int) -> gl.BlockedLayout:
     """A blocked layout of the 4 warps over ``[rows, cols]``: up to 4 consecutive elements of a row per
     thread, lanes along the row, warps along the columns only where the rows are fewer than the warps
     (a tensor of fewer than 128 elements is then held more than once). Used for the query operands

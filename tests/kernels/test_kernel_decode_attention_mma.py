@@ -112,7 +112,7 @@ def test_query_layout_tiles_and_reduces_within_a_warp(rows, cols):
     """The query operands' layout ``[query heads, tile width]``: a CTA tile covers the tensor (held
     more than once only when it has fewer than 128 elements), and from 4 heads on the warps split
     the heads, so the per-head reductions over the tile stay within a warp."""
-    layout = mma.copy_layout(rows, cols)
+    layout = mma.query_layout(rows, cols)
     tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
     assert cols % tile[1] == 0 and (rows % tile[0] == 0 or rows * cols < 32 * mma.NUM_WARPS)
     assert layout.size_per_thread[1] <= 4 and layout.threads_per_warp[0] * layout.threads_per_warp[1] == 32
