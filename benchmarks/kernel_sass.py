@@ -19,7 +19,7 @@ with the ``cuobjdump`` that ships with Triton:
 
 Then the same for the Gluon kernel (``kernels/decode_attention_mma.py``, the one CUDA runs for
 these shapes), uncapped and at 128 registers (its launch default: 4 programs per multiprocessor):
-its packed loop covers one key group (G tokens, G / 64 unrolled 64-token steps); its counts are
+its packed loop covers one key group (G tokens in unrolled steps of `step_tokens`: one for pnmix-1); its counts are
 given per 32 tokens to compare. Its pointer and stride arguments are marked divisible by 16, as
 a launch on these shapes specializes them; the Triton kernel is compiled without that hint, as
 in the earlier sessions' counts.

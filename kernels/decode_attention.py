@@ -221,8 +221,9 @@ def _decode_combine_kernel(
     s_ob, s_oh, s_od,
     D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; NaN for a
-    sequence flagged in ``overflow_ptr`` (when ``HAS_OVERFLOW``)."""
+    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; zeros for no
+    valid token, NaN where a split's sum is NaN (a non-finite cached value) and for a sequence
+    flagged in ``overflow_ptr`` (when ``HAS_OVERFLOW``)."""
     row = tl.program_id(0)
     b = row // num_q_heads
     hq = row % num_q_heads
@@ -241,7 +242,7 @@ def _decode_combine_kernel(
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
     denominator = tl.sum(weight * l, 0)
     out = tl.sum(weight[:, None] * acc, 0)
-    out = tl.where(denominator > 0, out / denominator, 0.0)  # no valid token -> zeros
+    out = tl.where(denominator == 0, 0.0, out / denominator)  # no valid token -> zeros; NaN stays NaN
     if HAS_OVERFLOW:
         out = tl.where(tl.load(overflow_ptr + b) != 0, float("nan"), out)
     tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)

@@ -25,7 +25,14 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   (127 * 128)``. Keys: ``peak`` is the column's largest ``|q * scale| * 2^(b - 1)`` of the group
   and plane p's operand is ``2^p y`` (all planes accumulate together); the operands are made
   once per group by all warps into shared memory. Values: ``peak`` is the group's largest token
-  scale (``p <= 1``), and plane p is accumulated ``2^p`` times.
+  scale (``p <= 1``), and plane p is accumulated ``2^p`` times. The parts are rounded by adding
+  1.5 * 2^23 and reading the float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no
+  float-to-integer conversion.
+- Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
+  8 columns hold each head twice, its high parts in column j and its low parts in column j + 4,
+  so one MMA makes both (half the MMAs and B-operand loads); ``128 * high + low`` is then one
+  shuffle between lanes (:func:`_pair_total`, scores) or one sum at the end (values). With more
+  heads the parts are two MMAs.
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
@@ -40,8 +47,10 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   broadcasting back and reshaping is free (``convert_layout(..., assert_trivial=True)`` checks it
   at compile time).
 
-One step covers 64 tokens (4 warps x 16 rows); a split takes whole key groups (``G`` a
-multiple of 64). The query heads of a KV head are the MMA's N dimension (8 or 16).
+One step of a key group covers 128 tokens (4 warps x 2 x 16 rows; 64 where the group is 64
+tokens or the value codes have 4 bits, see :func:`step_tokens`): one softmax update per step.
+A split takes whole key groups (``G`` a multiple of 64). The query heads of a KV head are the
+MMA's N dimension (8 or 16).
 """
 
 from __future__ import annotations
@@ -58,8 +67,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
 NUM_WARPS = 4
-BLOCK_T = gl.constexpr(64)
-"""Tokens per step: 4 warps x 16 rows of the MMA."""
+DENSE_T = gl.constexpr(64)
+"""Tokens per step of the full-precision parts (sinks, residual): 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 2
 """Shared buffers of key groups: ``STAGES - 1`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
@@ -72,15 +81,17 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
              value_codes: torch.Tensor, value_scale: torch.Tensor, heads: int) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does): a CUDA device with
     ``mma.sync`` (8.0+), fp16/bf16, head dim 64 or 128, key groups of a multiple of 64
-    tokens, codes of at most 4 bits, one value group per token, at most 16 query heads per KV head."""
+    tokens, codes of at most 4 bits, value codes of 1, 2 or 4 (its shared buffers of value words
+    are a power of two), one value group per token, at most 16 query heads per KV head."""
     if not query.is_cuda or query.dtype not in DTYPES or _capability(query.device.index)[0] < 8:
         return False
     head_dim = query.shape[-1]
     bits = (key_codes_high.shape[3], key_codes_low.shape[3], value_codes.shape[3])
     return (
         head_dim in (64, 128)
-        and (32 * key_codes_high.shape[4]) % BLOCK_T.value == 0
+        and (32 * key_codes_high.shape[4]) % 64 == 0
         and max(bits) <= 4
+        and bits[2] in (1, 2, 4)
         and value_scale.shape[-1] == 1
         and query.shape[1] % heads == 0
         and query.shape[1] // heads <= 16
@@ -108,33 +119,44 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
     return registers, [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]]
 
 
-def _key_byte_layout(cols: int) -> gl.DistributedLinearLayout:
-    """The 8-bit A-operand layout of a key tile ``[T, cols]`` with token t split into (word row,
-    byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see :data:`TRANSPOSE_ASM`)."""
+def step_tokens(group_size: int, value_bits: int) -> int:
+    """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the group
+    holds a multiple of it and the value codes have at most 3 bits, else 64. A step makes one
+    softmax update (one cross-warp maximum, one rescaling of the accumulators). The bound keeps
+    a step's integer value sums in int32: T tokens x (2^b - 1) plane repeats x 128 x 127 (the
+    largest product of 8-bit operands) x 128 (the high part's weight) < 2^31."""
+    return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
+
+
+def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
+    """The 8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into
+    (word row, byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see
+    :data:`TRANSPOSE_ASM`)."""
 
     def split(bases):
         return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
 
-    shape = [BLOCK_T.value // 32, 4, 8, cols // 4, 4]
-    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(BLOCK_T.value, cols)), [], shape)
+    shape = [tokens // 32, 4, 8, cols // 4, 4]
+    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(tokens, cols)), [], shape)
 
 
-def _value_byte_layout(head_dim: int) -> gl.DistributedLinearLayout:
+def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of the values ``[D, T]`` (channel rows, token columns) with channel
     c split into (byte, bit) and token t into (quad, byte): ``[D/8, 8, T/4, 4]``."""
 
     def split(bases):
         return [[c >> 3, c & 7, t >> 2, t & 3] for c, t in bases]
 
-    shape = [head_dim // 8, 8, BLOCK_T.value // 4, 4]
-    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(head_dim, BLOCK_T.value)), [], shape)
+    shape = [head_dim // 8, 8, tokens // 4, 4]
+    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(head_dim, tokens)), [], shape)
 
 
 @functools.cache
-def layouts(head_dim: int, high_width: int, query_rows: int) -> dict:
+def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int) -> dict:
     """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
-    are half the head wide) and ``query_rows`` (a power of two) query heads per KV head."""
+    are half the head wide), ``query_rows`` (a power of two) query heads per KV head and ``tokens``
+    per step of the packed groups."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     low_width = head_dim - high_width
     return dict(
@@ -143,10 +165,10 @@ def layouts(head_dim: int, high_width: int, query_rows: int) -> dict:
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         A8=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4),
         B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
-        KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim),
-        KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim),
+        KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim, tokens),
+        KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim, tokens),
         QUERY=_planes_layout(query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim)),
-        VALUE_BYTES=_value_byte_layout(head_dim),
+        VALUE_BYTES=_value_byte_layout(head_dim, tokens),
     )
 
 
@@ -174,6 +196,12 @@ def operand_shared_layout(row_bytes: int, rows: int, slice_bytes: int) -> gl.Swi
     within both, so that ``ldmatrix``'s eight row reads hit at most two rows per bank group."""
     per_phase = max(1, 128 // row_bytes)
     return gl.SwizzledSharedLayout(16, per_phase, max(1, min(8, row_bytes // 16, slice_bytes // 16, rows // per_phase)), [1, 0])
+
+
+def params_layout(columns: int) -> gl.BlockedLayout:
+    """Layout of a group's scales and zeros ``[2, columns]``: consecutive lanes on consecutive
+    columns, warps along the columns, both rows in each thread."""
+    return gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])
 
 
 def value_copy_layout(columns: int) -> gl.BlockedLayout:
@@ -211,6 +239,41 @@ BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
 """PTX of one register of an 8-bit operand: a transposed word ANDed with ``0x01010101 << j``
 (``$1..$4`` are the word, ``$5..$8`` the mask, four times each: one per byte of the result)."""
 BYTES_CONSTRAINTS = gl.constexpr(",".join(["=r"] + ["r"] * 8))
+
+
+ROUNDING = gl.constexpr(12582912.0)
+"""1.5 * 2^23: a float32 ``y + ROUNDING`` (``|y| < 2^22``) is rounded to an integer (to nearest,
+ties to even) held in the low bits of its significand, two's complement: its low byte is
+``round(y)`` as an int8 (modulo 256), with no float-to-integer conversion."""
+
+
+@gluon.jit
+def _split_8bit(y):
+    """The two 8-bit parts of a B operand (``|y| <= 127``), ``round(y)`` and ``round(128 * (y -
+    round(y)))``, each in the low byte of a float32 (see :data:`ROUNDING`; :func:`_int8` reads it):
+    four float additions and multiplications."""
+    shifted = y + ROUNDING
+    return shifted, (y - (shifted - ROUNDING)) * 128.0 + ROUNDING  # shifted - ROUNDING = round(y), exactly
+
+
+PACK_ASM = gl.constexpr(
+    """{
+.reg .b32 t0, t1;
+prmt.b32 t0, $1, $2, 0x0040;
+prmt.b32 t1, $3, $4, 0x0040;
+prmt.b32 $0, t0, t1, 0x5410;
+}"""
+)
+"""PTX packing the low bytes of four words ``$1..$4`` into ``$0`` (byte i from word i + 1)."""
+
+
+@gluon.jit
+def _int8(x):
+    """The int8 in the low byte of float32 ``x`` (a part from :func:`_split_8bit`), four per
+    :data:`PACK_ASM`. Not ``.to(gl.int32, bitcast=True).to(gl.int8)``: after a ``gl.where`` of two
+    parts, Triton 3.6's ptxas compiled that truncation as a float-to-uint8 conversion (``F2IP.U8``,
+    255 for every part; found on an H200)."""
+    return gl.inline_asm_elementwise(PACK_ASM, "=r,r,r,r,r", [x.to(gl.int32, bitcast=True)], gl.int8, True, 4)
 
 
 @gluon.jit
@@ -267,30 +330,34 @@ def _transpose_value_words(value_bytes_smem, value_smem, stage, COLUMNS: gl.cons
 @gluon.jit
 def _load_group_params(group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.constexpr, G: gl.constexpr,
                        PARAMS_D: gl.constexpr, PARAMS_G: gl.constexpr):
-    """Key scale and zero ``[D]`` and value scale and zero ``[G]`` of key group ``group`` (16-bit, any
-    alignment: plain loads, stored to shared memory later by :func:`_store_group_params`)."""
-    d = gl.arange(0, D, layout=PARAMS_D)
-    t = gl.arange(0, G, layout=PARAMS_G)
-    return (gl.load(k_scale + group * D + d, mask=valid), gl.load(k_zero + group * D + d, mask=valid),
-            gl.load(v_scale + group * G + t, mask=valid), gl.load(v_zero + group * G + t, mask=valid))
+    """Key scales and zeros ``[2, D]`` and value scales and zeros ``[2, G]`` (row 0: scales, row 1:
+    zeros) of key group ``group`` (16-bit, any alignment: plain loads, stored to shared memory later
+    by :func:`_store_group_params`)."""
+    is_scale_d = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_D)), 1) == 0
+    d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, PARAMS_D)), 0) + group * D
+    is_scale_g = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_G)), 1) == 0
+    t = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, PARAMS_G)), 0) + group * G
+    return (gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=valid),
+            gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=valid))
 
 
 @gluon.jit
 def _store_group_params(key_param_smem, value_param_smem, stage, params):
-    """Store :func:`_load_group_params`' tensors into ``stage`` of the shared buffers."""
-    key_param_smem.index(2 * stage).store(params[0])
-    key_param_smem.index(2 * stage + 1).store(params[1])
-    value_param_smem.index(2 * stage).store(params[2])
-    value_param_smem.index(2 * stage + 1).store(params[3])
+    """Store :func:`_load_group_params`' tensors into ``stage`` of the shared buffers (one store
+    per buffer: stores into one buffer are each fenced by a barrier)."""
+    key_param_smem.index(stage).store(params[0])
+    value_param_smem.index(stage).store(params[1])
 
 
 @gluon.jit
 def _key_tile_scores(high, low, key_bytes_smem, query_high_smem, query_low_smem, WORD0: gl.constexpr, mask,
                      C0: gl.constexpr, W: gl.constexpr, TILE_PLANES: gl.constexpr, WORDS: gl.constexpr,
-                     T: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr, KEY_BYTES: gl.constexpr):
+                     T: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr, KEY_BYTES: gl.constexpr,
+                     PAIRED: gl.constexpr):
     """Add the planes ``[0, TILE_PLANES)`` of stored channels ``[C0, C0 + W)`` of one step (transposed
     words, word rows ``WORD0`` on of each plane's ``WORDS``) times the tile's 8-bit query operands
-    (high and low parts, plane p at columns ``[p W, p W + W)``) to the integer score accumulators."""
+    (plane p at columns ``[p W, p W + W)``) to the integer score accumulators: high and low parts
+    in two (``low`` untouched when ``PAIRED``: both parts are columns of ``query_high_smem``)."""
     WORD_BYTES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEY_BYTES))
     for p in gl.static_range(TILE_PLANES):
         # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
@@ -300,32 +367,61 @@ def _key_tile_scores(high, low, key_bytes_smem, query_high_smem, query_low_smem,
                                   A8, assert_trivial=True)
         operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
         high = mma_v2(operand, query_high_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), high)
-        low = mma_v2(operand, query_low_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), low)
+        if not PAIRED:
+            low = mma_v2(operand, query_low_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), low)
     return high, low
 
 
 @gluon.jit
 def _query_operands(query_high_smem, query_low_smem, x, inverse, PAD: gl.constexpr, ROWS: gl.constexpr,
-                    W: gl.constexpr, QUERY: gl.constexpr):
+                    W: gl.constexpr, QUERY: gl.constexpr, PAIRED: gl.constexpr):
     """Store the 8-bit query operands of one key tile for this group, from ``x = q * scale``
-    ``[ROWS, W]``, into rows ``[0, ROWS)`` of the two buffers ``[BLOCK_Q, PAD * W]``: at columns
+    ``[ROWS, W]``, into the two buffers ``[ROWS, PAD * W]`` of the high and low parts (``PAIRED``:
+    into rows ``[0, ROWS)`` and ``[ROWS, 2 ROWS)`` of ``query_high_smem``): at columns
     ``[p W, p W + W)``, plane p < ``PAD`` (planes padded to a power of two), ``y = x * 2^p *
-    inverse`` (``inverse``: 127 / the column's largest ``|x| * 2^(b - 1)``) as ``round(y)`` (high
-    part) and ``round(128 * (y - round(y)))`` (low part). Where a channel has fewer than p + 1
-    planes ``y`` may pass 127 and not convert: that operand only meets zero bits. One store per
+    inverse`` (``inverse``: 127 / the column's largest ``|x| * 2^(b - 1)``) split by
+    :func:`_split_8bit`. Where a channel has fewer than p + 1 planes ``y`` may pass 127 and
+    wrap: that operand only meets zero bits. One store per
     buffer (stores into one buffer are each fenced by a barrier)."""
     weight = (1 << gl.arange(0, PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, QUERY)))).to(gl.float32)
     y = gl.expand_dims(x * inverse, 1) * gl.expand_dims(gl.expand_dims(weight, 0), 2)  # [ROWS, PAD, W]
-    high = gl.floor(y + 0.5)
-    query_high_smem.slice(0, ROWS, 0).store(gl.reshape(high.to(gl.int8), [ROWS, PAD * W]))
-    query_low_smem.slice(0, ROWS, 0).store(gl.reshape(gl.floor((y - high) * 128.0 + 0.5).to(gl.int8), [ROWS, PAD * W]))
+    high, low = _split_8bit(y)
+    if PAIRED:
+        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [3, 0, 1, 2]), [2 * ROWS, PAD * W])))
+    else:
+        query_high_smem.store(_int8(gl.reshape(high, [ROWS, PAD * W])))
+        query_low_smem.store(_int8(gl.reshape(low, [ROWS, PAD * W])))
+
+
+@gluon.jit
+def _pair_sum(x, HALF: gl.constexpr):
+    """``x[:, :HALF] + x[:, HALF:]`` of ``x`` ``[R, 2 HALF]``: the two parts of each query head (see
+    the kernel's ``PAIRED``), held by lanes one bit apart."""
+    return gl.sum(gl.reshape(x, [x.shape[0], 2, HALF]), 1)
+
+
+@gluon.jit
+def _pair_total(x, HALF: gl.constexpr):
+    """``x`` ``[R, 2 HALF]`` with both columns of each pair ``(c, c + HALF)`` replaced by their sum,
+    in ``x``'s layout (one shuffle and one addition per element)."""
+    pairs = gl.reshape(x, [x.shape[0], 2, HALF])
+    total = gl.reshape(gl.expand_dims(gl.sum(pairs, 1), 1) + gl.zeros_like(pairs), [x.shape[0], 2 * HALF])
+    return gl.convert_layout(total, x.type.layout, assert_trivial=True)
+
+
+@gluon.jit
+def _repeat_columns(x):
+    """``[Q] -> [2 Q]``: element c is ``x[c % Q]`` (a per-head factor for both columns of a pair)."""
+    return gl.reshape(gl.permute(gl.join(x, x), [1, 0]), [2 * x.shape[0]])
 
 
 @gluon.jit
 def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr):
-    """Attend to ``length`` full-precision rows ``[tokens, D]`` at ``k_ptr``/``v_ptr`` (sinks, residual)."""
-    T: gl.constexpr = BLOCK_T
+                  QUERY_ROWS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr):
+    """Attend to ``length`` full-precision rows ``[tokens, D]`` at ``k_ptr``/``v_ptr`` (sinks, residual).
+    With paired columns (``QUERY_ROWS < BLOCK_Q``, the query in both columns of a pair) the values
+    are added to the first column of each pair only."""
+    T: gl.constexpr = DENSE_T
     t_k = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1)
     d_k = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, A)), 0)
     c_v = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, A)), 1)
@@ -340,6 +436,8 @@ def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLO
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(scores - gl.expand_dims(m_new, 0))
         l_i = l_i * alpha + gl.sum(p, 0)
+        if QUERY_ROWS < BLOCK_Q:
+            p = gl.where(gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA)) < QUERY_ROWS, 0), p, 0.0)
         acc = mma_v2(v, gl.convert_layout(p.to(k.dtype), B), acc * gl.expand_dims(alpha, 0))
         m_i = m_new
     return m_i, l_i, acc
@@ -361,7 +459,7 @@ def _decode_split_kernel_mma(
     s_khb, s_khh, s_klb, s_klh, s_ksb, s_ksh, s_kzb, s_kzh,
     s_vcb, s_vch, s_vsb, s_vsh, s_vzb, s_vzh,
     s_rkb, s_rkh, s_rvb, s_rvh,
-    RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr,
+    RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
     W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, PAD_HIGH: gl.constexpr,
     PAD_LOW: gl.constexpr,
@@ -370,22 +468,29 @@ def _decode_split_kernel_mma(
     VALUE_BYTES: gl.constexpr, VALUE_TRANSPOSE: gl.constexpr,
     QUERY_HIGH_SHARED: gl.constexpr, QUERY_LOW_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
-    PARAMS_G: gl.constexpr,
+    PARAMS_G: gl.constexpr, OUT: gl.constexpr,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
     b = (pid_bh // num_heads).to(gl.int64)
     h = (pid_bh % num_heads).to(gl.int64)
     dtype: gl.constexpr = query_ptr.dtype.element_ty
-    T: gl.constexpr = BLOCK_T
     W_LOW: gl.constexpr = D - W_HIGH
+
+    # Query columns: with at most 4 query heads per KV head (QUERY_ROWS = 4, BLOCK_Q = 8) the MMA's
+    # 8 columns are paired: column j and j + 4 both belong to head j, the first for the high 8-bit
+    # parts of the B operands, the second for the low parts, so one MMA makes both (else high and low
+    # parts are two MMAs over QUERY_ROWS = BLOCK_Q columns). Scores and softmax are then the same in
+    # both columns of a pair; values are accumulated in both (each with its part) and summed at the end.
+    PAIRED: gl.constexpr = QUERY_ROWS < BLOCK_Q
+    j_mma = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA)), 0)
+    part_weight = gl.where(j_mma < QUERY_ROWS, 128, 1)  # PAIRED: high parts count 128 times
 
     # Query^T [D, BLOCK_Q] in the B-operand layout; scores in the log2 domain (qk_scale has log2(e)).
     d_b = gl.arange(0, D, layout=gl.SliceLayout(1, B))
-    j_b = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B))
-    q_cols = query_ptr + b * s_qb + (h * RATIO + gl.expand_dims(j_b, 0)) * s_qh
-    q_mask = gl.expand_dims(j_b < RATIO, 0) & gl.expand_dims(d_b < D, 1)
-    q_natural = (gl.load(q_cols + gl.expand_dims(d_b, 1), mask=q_mask, other=0.0).to(gl.float32) * qk_scale).to(dtype)
+    head_b = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B)) % QUERY_ROWS, 0)
+    q_cols = query_ptr + b * s_qb + (h * RATIO + head_b) * s_qh + gl.expand_dims(d_b, 1)
+    q_natural = (gl.load(q_cols, mask=head_b < RATIO, other=0.0).to(gl.float32) * qk_scale).to(dtype)
 
     m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l_i = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, MMA))
@@ -394,7 +499,7 @@ def _decode_split_kernel_mma(
     # Sinks: split 0 only.
     n_sink = gl.where(split == 0, gl.minimum(gl.load(sink_len_ptr + b), sink_cap), 0)
     m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, sink_k_ptr + b * s_skb + h * s_skh,
-                                  sink_v_ptr + b * s_svb + h * s_svh, n_sink, D, BLOCK_Q, A, B, MMA)
+                                  sink_v_ptr + b * s_svb + h * s_svh, n_sink, D, BLOCK_Q, QUERY_ROWS, A, B, MMA)
 
     # Packed groups: this split's slice of the sequence's groups.
     WORDS: gl.constexpr = G // 32
@@ -410,14 +515,17 @@ def _decode_split_kernel_mma(
     SHARED_3D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)
     key_bytes_smem = gl.allocate_shared_memory(gl.int32, [KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)  # transposed
-    key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, D], SHARED_1D)  # [2 stage]: scale, [2 stage + 1]: zero
+    key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, D], SHARED_2D)  # [stage, 0]: scales, [stage, 1]: zeros
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
     value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS, G], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
     value_bytes_smem = gl.allocate_shared_memory(gl.int32, [V_COLUMNS * 4, G // 4], SHARED_2D)  # transposed
-    # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step.
+    # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step
+    # (both parts in p_high_smem when PAIRED).
     p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
-    p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
-    value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES * 2, G], SHARED_1D)
+    p_low_smem = p_high_smem
+    if not PAIRED:
+        p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
+    value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, G], SHARED_2D)
     kc_high = kc_high_ptr + b * s_khb + h * s_khh
     kc_low = kc_low_ptr + b * s_klb + h * s_klh
     k_scale = k_scale_ptr + b * s_ksb + h * s_ksh
@@ -429,8 +537,8 @@ def _decode_split_kernel_mma(
     # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes).
     # Their planes are 8-bit operands (bit j of a byte read as 2^j, see _key_tile_scores) met by the
     # query times the group's channel scales in two 8-bit parts (high, low: 15 significant bits),
-    # made once per group by all warps together into shared memory (see _query_operands): rows
-    # [0, QUERY_ROWS) of each operand; the rest stay zero. Both tiles are W_TILE wide.
+    # made once per group by all warps together into shared memory (see _query_operands): two
+    # buffers per tile, or one of both parts when PAIRED. Both tiles are W_TILE wide.
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
     Q2: gl.constexpr = gl.SliceLayout(1, QUERY)  # [QUERY_ROWS, W_TILE]
     order_ptrs = order_ptr + b * s_ob + h * s_oh
@@ -441,28 +549,20 @@ def _decode_split_kernel_mma(
                          mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
         bits_high = gl.expand_dims(gl.where(c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
         query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
-        query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
-        if QUERY_ROWS < BLOCK_Q:
-            no_query = gl.zeros([BLOCK_Q, PAD_HIGH * W_TILE], gl.int8, layout=gl.SliceLayout(1, QUERY))
-            query_hh_smem.store(no_query)
-            query_hl_smem.store(no_query)
+        query_hl_smem = query_hh_smem
+        if not PAIRED:
+            query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
     if W_LOW > 0:
         q_low = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
                         mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
         bits_low = gl.expand_dims(gl.where(W_HIGH + c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
         query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
-        query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
-        if QUERY_ROWS < BLOCK_Q:
-            no_query = gl.zeros([BLOCK_Q, PAD_LOW * W_TILE], gl.int8, layout=gl.SliceLayout(1, QUERY))
-            query_lh_smem.store(no_query)
-            query_ll_smem.store(no_query)
+        query_ll_smem = query_lh_smem
+        if not PAIRED:
+            query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
     # Per query column and group: the scores' scale and offset, handed to the MMA layout in shared memory.
     column_scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
     column_offset_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
-    if QUERY_ROWS < BLOCK_Q:
-        no_column = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, MMA))
-        column_scale_smem.store(no_column)
-        column_offset_smem.store(no_column)
     # Score row t read bit t % 8 of its bytes: its codes came out 2^(t % 8) times too large, and bit 7
     # is the sign bit of an 8-bit integer (-128).
     t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
@@ -505,18 +605,18 @@ def _decode_split_kernel_mma(
         _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS)
         _transpose_value_words(value_bytes_smem, value_smem, stage, V_COLUMNS, G, VALUE_TRANSPOSE)
         # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-        value_peak = gl.max(value_param_smem.index(2 * stage).load(PARAMS_G).to(gl.float32), 0)
+        value_peak = gl.max(value_param_smem.index(stage).reshape([2 * G]).slice(0, G).load(gl.SliceLayout(0, PARAMS_G)).to(gl.float32), 0)
         value_inverse = gl.where(value_peak > 0.0, 127.0 / value_peak, 0.0)
         value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
         # Per column: the largest term (code bits included) and sum(q * zero), one reduction each.
         if W_HIGH > 0:
-            x_high = q_high * gl.expand_dims(key_param_smem.index(2 * stage).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_high = q_high * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             terms = gl.abs(x_high) * (1 << (bits_high - 1)).to(gl.float32)
-            offsets = q_high * gl.expand_dims(key_param_smem.index(2 * stage + 1).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            offsets = q_high * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(D, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
         if W_LOW > 0:
-            x_low = q_low * gl.expand_dims(key_param_smem.index(2 * stage).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_low = q_low * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             low_terms = gl.abs(x_low) * (1 << (bits_low - 1)).to(gl.float32)
-            low_offsets = q_low * gl.expand_dims(key_param_smem.index(2 * stage + 1).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            low_offsets = q_low * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             if W_HIGH > 0:
                 terms = gl.maximum(terms, low_terms)
                 offsets += low_offsets
@@ -527,12 +627,16 @@ def _decode_split_kernel_mma(
         k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
         inverse = gl.expand_dims(gl.where(peak > 0.0, 127.0 / peak, 0.0), 1)
         if W_HIGH > 0:
-            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, PAD_HIGH, QUERY_ROWS, W_TILE, QUERY)
+            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, PAD_HIGH, QUERY_ROWS, W_TILE, QUERY, PAIRED)
         if W_LOW > 0:
-            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, PAD_LOW, QUERY_ROWS, W_TILE, QUERY)
+            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, PAD_LOW, QUERY_ROWS, W_TILE, QUERY, PAIRED)
         # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
-        column_scale_smem.slice(0, QUERY_ROWS).store(peak * (1.0 / (127.0 * 128.0)))
-        column_offset_smem.slice(0, QUERY_ROWS).store(k_offset)
+        column_scale = peak * (1.0 / (127.0 * 128.0))
+        if PAIRED:
+            column_scale = _repeat_columns(column_scale)
+            k_offset = _repeat_columns(k_offset)
+        column_scale_smem.store(column_scale)
+        column_offset_smem.store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
         key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, MMA)), 0)
         k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, MMA)), 0)
@@ -541,14 +645,18 @@ def _decode_split_kernel_mma(
             low = no_keys
             if W_HIGH > 0:
                 high, low = _key_tile_scores(high, low, key_bytes_smem, query_hh_smem, query_hl_smem, step * (T // 32),
-                                             key_mask, 0, W_HIGH, PLANES_HIGH, WORDS, T, A8, B8, KEY_BYTES_HIGH)
+                                             key_mask, 0, W_HIGH, PLANES_HIGH, WORDS, T, A8, B8, KEY_BYTES_HIGH, PAIRED)
             if W_LOW > 0:
                 high, low = _key_tile_scores(high, low, key_bytes_smem, query_lh_smem, query_ll_smem, step * (T // 32),
-                                             key_mask, W_HIGH, W_LOW, BITS_LOW, WORDS, T, A8, B8, KEY_BYTES_LOW)
-            scores = (high * 128 + low).to(gl.float32) * key_scale + k_offset
+                                             key_mask, W_HIGH, W_LOW, BITS_LOW, WORDS, T, A8, B8, KEY_BYTES_LOW, PAIRED)
+            if PAIRED:
+                high = _pair_total(high * part_weight, QUERY_ROWS)
+            else:
+                high = high * 128 + low
+            scores = high.to(gl.float32) * key_scale + k_offset
 
-            token_scale = gl.expand_dims(value_param_smem.index(2 * stage).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
-            token_zero = gl.expand_dims(value_param_smem.index(2 * stage + 1).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
+            token_scale = gl.expand_dims(value_param_smem.index(stage).reshape([2 * G]).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
+            token_zero = gl.expand_dims(value_param_smem.index(stage).reshape([2 * G]).slice(G + step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
             m_new = gl.maximum(m_i, gl.max(scores, 0))
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)
@@ -558,13 +666,16 @@ def _decode_split_kernel_mma(
             l_i = l_i * alpha
             l_rows = l_rows * alpha_row + p
             zero_rows = zero_rows * alpha_row + p * token_zero
-            y = p * token_scale * value_inverse
-            p_high = gl.floor(y + 0.5)
-            p_high_smem.store(gl.permute(p_high.to(gl.int8), [1, 0]))
-            p_low_smem.store(gl.permute(gl.floor((y - p_high) * 128.0 + 0.5).to(gl.int8), [1, 0]))
+            p_high, p_low = _split_8bit(p * token_scale * value_inverse)
+            if PAIRED:
+                p_high_smem.store(gl.permute(_int8(gl.where(j_mma < QUERY_ROWS, p_high, p_low)), [1, 0]))
+            else:
+                p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
+                p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
             _barrier()  # every warp's tokens of p are in shared memory
             p_high = p_high_smem.permute([1, 0]).load(B8)
-            p_low = p_low_smem.permute([1, 0]).load(B8)
+            if not PAIRED:
+                p_low = p_low_smem.permute([1, 0]).load(B8)
             v_high = no_values
             v_low = no_values
             for plane in gl.static_range(BITS_V):
@@ -576,19 +687,27 @@ def _decode_split_kernel_mma(
                 operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
                 for _ in gl.static_range(1 << plane):  # plane p counts 2^p times
                     v_high = mma_v2(operand, p_high, v_high)
-                    v_low = mma_v2(operand, p_low, v_low)
-            acc = acc * alpha_row + (v_high * 128 + v_low).to(gl.float32) * value_scale
+                    if not PAIRED:
+                        v_low = mma_v2(operand, p_low, v_low)
+            if PAIRED:
+                v_high = v_high * part_weight
+            else:
+                v_high = v_high * 128 + v_low
+            acc = acc * alpha_row + v_high.to(gl.float32) * value_scale
             m_i = m_new
         _store_group_params(key_param_smem, value_param_smem, ahead_stage, params)
         _barrier()  # every warp is done with this stage before the next iteration refills it
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
-    acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
+    zero_sums = gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
+    if PAIRED:
+        zero_sums = gl.where(j_mma < QUERY_ROWS, zero_sums, 0.0)
+    acc += zero_sums
 
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
     m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, res_k_ptr + b * s_rkb + h * s_rkh,
-                                  res_v_ptr + b * s_rvb + h * s_rvh, n_res, D, BLOCK_Q, A, B, MMA)
+                                  res_v_ptr + b * s_rvb + h * s_rvh, n_res, D, BLOCK_Q, QUERY_ROWS, A, B, MMA)
 
     # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
     j_s = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA))
@@ -596,8 +715,13 @@ def _decode_split_kernel_mma(
     j_ok = j_s < RATIO
     gl.store(m_out_ptr + rows, m_i, mask=j_ok)
     gl.store(l_out_ptr + rows, l_i, mask=j_ok)
-    gl.store(acc_out_ptr + gl.expand_dims(rows, 0) * D + gl.expand_dims(rows_acc, 1), acc,
-             mask=gl.expand_dims(j_ok, 0))
+    if PAIRED:
+        acc = _pair_sum(acc, QUERY_ROWS)
+    acc = gl.convert_layout(acc, OUT)  # [D, QUERY_ROWS]
+    j_o = gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(0, OUT))
+    rows_o = (b * num_heads * RATIO + h * RATIO + j_o) * num_splits + split
+    d_o = gl.arange(0, D, layout=gl.SliceLayout(1, OUT))
+    gl.store(acc_out_ptr + gl.expand_dims(rows_o, 0) * D + gl.expand_dims(d_o, 1), acc, mask=gl.expand_dims(j_o < RATIO, 0))
 
 
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
@@ -607,10 +731,11 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     168, three programs per multiprocessor) and ``STAGES`` = 2 (one group's copies in flight; with
     3 the shared memory of four programs does not fit). Its instructions depend on shared-memory loads closely, so
-    it needs the fourth program's warps to hide their latency. Measured on an H200 (Triton 3.6,
-    bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``; us, against 3 stages uncapped at 3
-    slots): pnmix-1 batch 1 / 32K 28.2 (34.6), batch 8 / 16K 94.6 (102.5), batch 32 /
-    32K 673.7 (707.9), batch 580 / 8K 3,007.2 (3,237.0); pnmix-2 batch 32 / 32K 855.6 (961.1).
+    it needs the fourth program's warps to hide their latency. Measured on an H200 with the paired
+    columns and 128-token steps (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``; us at
+    4 slots, then 2 and 3): pnmix-1 batch 1 / 32K 22.7 (26.7, 26.7), batch 8 / 16K 74.2 (71.3,
+    77.7), batch 32 / 32K 514.5 (514.4, 545.2); batch 580 / 8K fills the GPU at any count
+    (2,293.5); pnmix-2 batch 1 / 32K 30.9 (39.8, 36.5).
     """
     return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
 
@@ -624,24 +749,26 @@ def kernel_constants(
     ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
     high_width = high_tile_width(head_dim, num_high)
     block_q = max(8, triton.next_power_of_2(ratio))
+    query_rows = block_q // 2 if ratio <= block_q // 2 else block_q  # paired columns (see the kernel) up to 4 heads
+    tokens = step_tokens(group_size, bits_value)
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     key_planes = triton.next_power_of_2(max(planes_high, bits_low))
     pad_high, pad_low = triton.next_power_of_2(planes_high), triton.next_power_of_2(bits_low)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
-    query_rows = triton.next_power_of_2(ratio)
     return dict(
-        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim,
+        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
         PAD_HIGH=pad_high, PAD_LOW=pad_low,
         STAGES=stages,
         COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
-        QUERY_HIGH_SHARED=operand_shared_layout(pad_high * tile, query_rows, tile),
-        QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, query_rows, tile),
-        P_SHARED=operand_shared_layout(BLOCK_T.value, block_q, BLOCK_T.value),
+        QUERY_HIGH_SHARED=operand_shared_layout(pad_high * tile, block_q, tile),
+        QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, block_q, tile),
+        P_SHARED=operand_shared_layout(tokens, block_q, tokens),
         VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
-        PARAMS_D=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]), PARAMS_G=gl.BlockedLayout([1], [32], [NUM_WARPS], [0]),
-        **layouts(head_dim, high_width, query_rows),
+        PARAMS_D=params_layout(head_dim), PARAMS_G=params_layout(group_size),
+        OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
+        **layouts(head_dim, high_width, query_rows, tokens),
     )  # fmt: skip
 
 

@@ -108,6 +108,19 @@ def test_overflowed_sequences_read_nan():
     torch.testing.assert_close(got[[0, 2]], triton_decode_attention(*args, num_splits=2)[[0, 2]], atol=0, rtol=0)
 
 
+def test_non_finite_group_reads_nan():
+    """A live key group with a NaN zero makes its sequence's rows NaN (as the reference's), whichever
+    split holds it; the other sequences are untouched."""
+    args = list(decode_inputs(seeded(), "pnmix-1", 64, 4, torch.float16, sink_len=[3, 3], num_groups=[2, 2], residual_len=[5, 5]))
+    args[8] = args[8].clone()
+    args[8][0, :, 1, 0] = float("nan")  # key zero: sequence 0, group 1, channel 0
+    want = decode_attention_reference(*args)
+    for splits in (1, 2):
+        got = triton_decode_attention(*args, num_splits=splits)
+        assert want[0].isnan().all() and got[0].isnan().all()
+        torch.testing.assert_close(got[1].float(), want[1].float(), atol=1e-2, rtol=1e-2)
+
+
 def test_decode_strided_views():
     """Views sliced along the token/group dims are read in place; a transposed tensor is copied."""
     generator = seeded()

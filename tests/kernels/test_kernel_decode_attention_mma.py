@@ -59,6 +59,14 @@ def test_transpose_asm_swaps_bytes_and_words():
         assert [[byte(result[b], i) for i in range(4)] for b in range(4)] == [[byte(words[i], b) for i in range(4)] for b in range(4)]
 
 
+def test_pack_asm_takes_the_low_byte_of_each_word():
+    """:data:`PACK_ASM` (what ``_int8`` runs on four float32 bit patterns): byte i of the result is
+    the low byte of word i."""
+    words = [0x4B40007F, 0x4B400081, 0x4B3FFFFF, 0x11223300]
+    (packed,) = run_ptx(mma.PACK_ASM.value, [0, *words], 1)
+    assert [byte(packed, i) for i in range(4)] == [0x7F, 0x81, 0xFF, 0x00]
+
+
 @pytest.mark.parametrize("seed", [1, 2])
 def test_transposed_words_are_8_bit_operands(seed):
     """Four words of 32 bits each (keys: channels 4q + i, bit t: token t of a word row; values:
@@ -73,18 +81,20 @@ def test_transposed_words_are_8_bit_operands(seed):
         assert int8_elements(register) == [(-128 if j == 7 else 2**j) * int(bits[i, position]) for i in range(4)]
 
 
-def test_byte_layouts_split_the_8_bit_operand():
+@pytest.mark.parametrize("tokens", [64, 128])
+def test_byte_layouts_split_the_8_bit_operand(tokens):
     """The key and value byte layouts are the 8-bit A-operand layout (as Triton 3.7 prints it for
-    ``[64, 64]``) with rows and columns split the way the transposed words hold them."""
-    registers, lanes, warps = mma._a8_operand_bases(64, 64)
-    assert registers == [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]]
+    ``[64, 64]``; 128 rows: a register bit for rows 64-127) with rows and columns split the way the
+    transposed words hold them, for both step sizes."""
+    registers, lanes, warps = mma._a8_operand_bases(tokens, 64)
+    assert registers == [[0, 1], [0, 2], [8, 0], [0, 16], [0, 32]] + ([[64, 0]] if tokens == 128 else [])
     assert lanes == [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]] and warps == [[16, 0], [32, 0]]
-    layout = mma._key_byte_layout(64)
-    for basis, (t, k) in zip(layout.reg_bases + layout.lane_bases + layout.warp_bases, registers + lanes + warps):
+    layout = mma._key_byte_layout(64, tokens)
+    for basis, (t, k) in zip(layout.reg_bases + layout.lane_bases + layout.warp_bases, registers + lanes + warps, strict=True):
         assert basis == [t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3]
-    layout = mma._value_byte_layout(128)
-    registers, lanes, warps = mma._a8_operand_bases(128, 64)
-    for basis, (c, t) in zip(layout.reg_bases + layout.lane_bases + layout.warp_bases, registers + lanes + warps):
+    layout = mma._value_byte_layout(128, tokens)
+    registers, lanes, warps = mma._a8_operand_bases(128, tokens)
+    for basis, (c, t) in zip(layout.reg_bases + layout.lane_bases + layout.warp_bases, registers + lanes + warps, strict=True):
         assert basis == [c >> 3, c & 7, t >> 2, t & 3]
 
 
@@ -195,6 +205,42 @@ def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
         tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
         torch.testing.assert_close(got, want.float(), atol=tolerance, rtol=tolerance)
         assert (got - want.float()).norm() / want.float().norm() < tolerance / 4
+
+
+@requires_cuda
+@pytest.mark.parametrize(
+    "layout, ratio, dtype, value_bits",
+    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4),
+     ("4-2", 1, torch.bfloat16, 1)],
+)  # fmt: skip
+def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
+    """Kitty's 4-bit keys, and 1- and 4-bit values: 4 bits take the 64-token step (their integer
+    value sums would pass int32 in a 128-token one). 3-bit values go to the Triton kernel."""
+    args = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1],
+                         residual_len=[7, 128, 0], value_bits=value_bits)  # fmt: skip
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
+    assert mma.step_tokens(128, value_bits) == (64 if value_bits == 4 else 128)
+    three_bits = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[1], num_groups=[1], residual_len=[1], value_bits=3)
+    assert not mma.supports(*(three_bits[i].cuda() for i in (0, 5, 6, 9, 10)), three_bits[2].shape[1])
+    want = decode_attention_reference(*args).float()
+    got = mma.mma_decode_attention(*args).float()
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+    assert (got - want).norm() / want.norm() < tolerance / 4
+
+
+@requires_cuda
+def test_non_finite_group_gives_nan_on_cuda():
+    """A live key group with a NaN zero makes its sequence's result NaN (as the reference's), and only its."""
+    args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, torch.bfloat16, sink_len=[3, 3], num_groups=[2, 2], residual_len=[5, 5]))
+    args[8] = args[8].clone()
+    args[8][0, :, 1, 0] = float("nan")  # key zero: sequence 0, group 1, channel 0
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    want = decode_attention_reference(*args).float()
+    got = mma.mma_decode_attention(*args).float()
+    assert want[0].isnan().all() and got[0].isnan().all()
+    torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=5e-2)
 
 
 def test_launch_passes_every_kernel_argument(monkeypatch):
