@@ -198,12 +198,6 @@ def operand_shared_layout(row_bytes: int, rows: int, slice_bytes: int) -> gl.Swi
     return gl.SwizzledSharedLayout(16, per_phase, max(1, min(8, row_bytes // 16, slice_bytes // 16, rows // per_phase)), [1, 0])
 
 
-def params_layout(columns: int) -> gl.BlockedLayout:
-    """Layout of a group's scales and zeros ``[2, columns]``: consecutive lanes on consecutive
-    columns, warps along the columns, both rows in each thread."""
-    return gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])
-
-
 def value_copy_layout(columns: int) -> gl.BlockedLayout:
     """Layout of the value words' copy ``[columns, G]`` (word column, token): a word per thread,
     consecutive lanes on consecutive global words (the columns of a token, then the next tokens)."""
@@ -751,6 +745,7 @@ def kernel_constants(
     block_q = max(8, triton.next_power_of_2(ratio))
     query_rows = block_q // 2 if ratio <= block_q // 2 else block_q  # paired columns (see the kernel) up to 4 heads
     tokens = step_tokens(group_size, bits_value)
+    params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     key_planes = triton.next_power_of_2(max(planes_high, bits_low))
     pad_high, pad_low = triton.next_power_of_2(planes_high), triton.next_power_of_2(bits_low)
@@ -766,7 +761,7 @@ def kernel_constants(
         QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),
         VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
-        PARAMS_D=params_layout(head_dim), PARAMS_G=params_layout(group_size),
+        PARAMS_D=params, PARAMS_G=params,
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
         **layouts(head_dim, high_width, query_rows, tokens),
     )  # fmt: skip
