@@ -49,8 +49,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 
 One step of a key group covers 128 tokens (4 warps x 2 x 16 rows; 64 where the group is 64
 tokens or the value codes have 4 bits, see :func:`step_tokens`): one softmax update per step.
-A split takes whole key groups (``G`` a multiple of 64). The query heads of a KV head are the
-MMA's N dimension (8 or 16).
+A split takes whole key groups (``G`` a power of two, at least 64). The query heads of a KV head
+are the MMA's N dimension (8 or 16).
 """
 
 from __future__ import annotations
@@ -80,21 +80,30 @@ _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # rename
 def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: torch.Tensor,
              value_codes: torch.Tensor, value_scale: torch.Tensor, heads: int) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does): a CUDA device with
-    ``mma.sync`` (8.0+), fp16/bf16, head dim 64 or 128, key groups of a multiple of 64
-    tokens, codes of at most 4 bits, value codes of 1, 2 or 4 (its shared buffers of value words
-    are a power of two), one value group per token, at most 16 query heads per KV head."""
+    ``mma.sync`` (8.0+), fp16/bf16, and shapes :func:`supports_shapes` accepts."""
     if not query.is_cuda or query.dtype not in DTYPES or _capability(query.device.index)[0] < 8:
         return False
-    head_dim = query.shape[-1]
-    bits = (key_codes_high.shape[3], key_codes_low.shape[3], value_codes.shape[3])
+    return supports_shapes(
+        query.shape[-1], 32 * key_codes_high.shape[4], key_codes_high.shape[3], key_codes_low.shape[3],
+        value_codes.shape[3], value_scale.shape[-1], query.shape[1], heads,
+    )  # fmt: skip
+
+
+def supports_shapes(head_dim: int, group_size: int, bits_high: int, bits_low: int, bits_value: int,
+                    value_scales_per_token: int, query_heads: int, heads: int) -> bool:
+    """The shapes this kernel builds for: head dim 64 or 128, key groups of a power of two of at
+    least 64 tokens, key codes of at most 4 bits, value codes of 1, 2 or 4 bits (its shared
+    buffers are powers of two: 3-bit values or 192-token groups would not compile), one value
+    group per token, at most 16 query heads per KV head."""
     return (
         head_dim in (64, 128)
-        and (32 * key_codes_high.shape[4]) % 64 == 0
-        and max(bits) <= 4
-        and bits[2] in (1, 2, 4)
-        and value_scale.shape[-1] == 1
-        and query.shape[1] % heads == 0
-        and query.shape[1] // heads <= 16
+        and group_size >= 64
+        and group_size & (group_size - 1) == 0
+        and max(bits_high, bits_low) <= 4
+        and bits_value in (1, 2, 4)
+        and value_scales_per_token == 1
+        and query_heads % heads == 0
+        and query_heads // heads <= 16
     )
 
 
@@ -121,10 +130,11 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
 
 def step_tokens(group_size: int, value_bits: int) -> int:
     """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the group
-    holds a multiple of it and the value codes have at most 3 bits, else 64. A step makes one
-    softmax update (one cross-warp maximum, one rescaling of the accumulators). The bound keeps
-    a step's integer value sums in int32: T tokens x (2^b - 1) plane repeats x 128 x 127 (the
-    largest product of 8-bit operands) x 128 (the high part's weight) < 2^31."""
+    holds a multiple of it and the value codes have at most 3 bits (1 or 2: 3-bit values go to the
+    Triton kernel), else 64. A step makes one softmax update (one cross-warp maximum, one
+    rescaling of the accumulators). The bound keeps a step's integer value sums in int32: T tokens
+    x (2^b - 1) plane repeats x 128 x 127 (the largest product of 8-bit operands) x 128 (the high
+    part's weight) < 2^31 (4-bit values at 128 tokens would reach 4.0e9)."""
     return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
 
 
@@ -155,7 +165,8 @@ def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout
 def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int) -> dict:
     """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
-    are half the head wide), ``query_rows`` (a power of two) query heads per KV head and ``tokens``
+    are half the head wide), ``query_rows`` rows of query operands (the query heads per KV head
+    rounded up to a power of two: 4 when the columns are paired, see the kernel) and ``tokens``
     per step of the packed groups."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     low_width = head_dim - high_width

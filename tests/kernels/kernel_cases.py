@@ -22,6 +22,7 @@ LAYOUTS = {
 WIDE_LAYOUTS = {
     "4-2": (0.25, 128, 4, 2),  # Kitty's widths
     "8-4": (0.5, 32, 8, 4),  # the widest codes, shortest group
+    "g256": (0.5, 256, 3, 1),  # pnmix-1's widths, groups of two 128-token steps
 }
 
 
@@ -62,7 +63,8 @@ def decode_inputs(
     value_group: int | None = None,
     value_bits: int = 2,
 ) -> tuple:
-    """Random arguments of ``decode_attention`` for a cache with the given per-sequence lengths.
+    """Random arguments of ``decode_attention`` for a cache with the given per-sequence lengths
+    (values quantized to ``value_bits``, one group per ``value_group`` channels, default the head).
 
     Slots past each sequence's lengths hold ``garbage`` (NaN by default): a kernel that
     reads them would return NaN.

@@ -117,6 +117,44 @@ def test_high_tile_width(head_dim, num_high, width):
     assert mma.high_tile_width(head_dim, num_high) == width
 
 
+def test_split_8bit_arithmetic():
+    """The float32 arithmetic of ``_split_8bit`` (emulated with torch float32): the low byte of
+    ``y + 1.5 * 2^23`` is round(y) to nearest even, that of the second part round(128 * (y -
+    round(y))), for y in [-127, 127] including ties; the parts rebuild y to 2^-8."""
+    y = torch.cat([torch.linspace(-127, 127, 20001), torch.arange(-127, 128) + 0.5, torch.tensor([-0.5, 0.5, 1.5, -1.5])])
+    y = y.clamp(-127, 127).to(torch.float32)
+    shifted = y + mma.ROUNDING.value
+    low = (y - (shifted - mma.ROUNDING.value)) * 128.0 + mma.ROUNDING.value
+    high_byte = (shifted.view(torch.int32) & 0xFF).to(torch.uint8).view(torch.int8).to(torch.int32)
+    low_byte = (low.view(torch.int32) & 0xFF).to(torch.uint8).view(torch.int8).to(torch.int32)
+    assert torch.equal(high_byte, torch.round(y).to(torch.int32))  # torch.round: half to even
+    assert torch.equal(low_byte, torch.round(128 * (y - torch.round(y))).to(torch.int32))
+    assert low_byte.abs().max() <= 64
+    assert ((high_byte + low_byte / 128.0) - y).abs().max() <= 2**-8
+
+
+@pytest.mark.parametrize("ratio", range(1, 17))
+def test_columns_pair_up_to_4_heads(ratio):
+    """Paired columns (high and low parts in one MMA) for 1-4 query heads per KV head: 4 rows of
+    query operands over 8 columns; otherwise one row per column, 8 or 16."""
+    constants = mma.kernel_constants(128, ratio, 128, 64, 3, 1, 2)
+    want = (4, 8) if ratio <= 4 else (8, 8) if ratio <= 8 else (16, 16)
+    assert (constants["QUERY_ROWS"], constants["BLOCK_Q"]) == want
+
+
+@pytest.mark.parametrize(
+    "shapes, supported",
+    [((128, 128, 3, 1, 2, 1, 32, 8), True), ((64, 64, 4, 2, 4, 1, 28, 4), True), ((128, 256, 3, 1, 1, 1, 16, 1), True),
+     ((128, 192, 3, 1, 2, 1, 32, 8), False), ((128, 32, 3, 1, 2, 1, 32, 8), False), ((128, 128, 3, 1, 3, 1, 32, 8), False),
+     ((128, 128, 8, 4, 2, 1, 32, 8), False), ((96, 128, 3, 1, 2, 1, 32, 8), False), ((128, 128, 3, 1, 2, 2, 32, 8), False),
+     ((128, 128, 3, 1, 2, 1, 34, 2), False)],
+)  # fmt: skip
+def test_supports_shapes(shapes, supported):
+    """Head dim, group size (a power of two, at least 64), code widths (value codes 1, 2 or 4 bits),
+    one value group per token, at most 16 query heads per KV head."""
+    assert mma.supports_shapes(*shapes) is supported
+
+
 @pytest.mark.parametrize("rows, cols", [(1, 64), (2, 64), (4, 32), (4, 64), (8, 64), (16, 64), (1, 128), (4, 128), (8, 128)])
 def test_query_layout_tiles_and_reduces_within_a_warp(rows, cols):
     """The query operands' layout ``[query heads, tile width]``: a CTA tile covers the tensor (held
@@ -228,6 +266,62 @@ def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
     tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
     torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
     assert (got - want).norm() / want.norm() < tolerance / 4
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout, ratio", [("pnmix-1", 2), ("pnmix-1", 3), ("pnmix-1", 8), ("kivi-2", 16), ("g256", 4), ("g256", 7)])
+def test_other_head_ratios_and_two_steps_per_group_on_cuda(layout, ratio):
+    """Paired columns with 2 and 3 heads, 8 and 16 heads in two MMAs, and 256-token groups (two
+    128-token steps per group) against the reference."""
+    args = decode_inputs(seeded(), layout, 128, ratio, torch.bfloat16, sink_len=[32, 0, 9], num_groups=[3, 1, 2],
+                         residual_len=[1, 128, 40])  # fmt: skip
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
+    want = decode_attention_reference(*args).float()
+    for splits in (None, 2):
+        got = mma.mma_decode_attention(*args, num_splits=splits).float()
+        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
+        assert (got - want).norm() / want.norm() < 5e-2 / 4
+
+
+def largest_value_sums(value_bits: int, dtype: torch.dtype) -> tuple:
+    """Inputs whose step sums of 8-bit value products are the largest possible: every key code and
+    group parameter equal (every p = 1), every value code bit set, one value scale for all tokens
+    (every 8-bit part of p is 127). One sequence of 3 groups, nothing else."""
+    args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0],
+                              value_bits=value_bits))  # fmt: skip
+    for index in (5, 6):  # key codes
+        args[index] = torch.zeros_like(args[index])
+    for index in (7, 8):  # key scales and zeros: group 0's everywhere
+        args[index] = args[index][:, :, :1].expand_as(args[index]).contiguous()
+    args[9] = torch.full_like(args[9], -1)  # every value code bit
+    args[10] = torch.full_like(args[10], 0.25)  # value scales
+    return tuple(args)
+
+
+def test_largest_value_sums_are_well_formed():
+    """On CPU: the inputs of the int32-headroom case below give every token the same weight, so the
+    result is the mean over tokens of zero + 0.25 * (2^b - 1) (the reference and the Triton kernel)."""
+    from pnmix_patch.kernels.decode_attention import triton_decode_attention
+
+    for value_bits in (2, 4):
+        args = largest_value_sums(value_bits, torch.float16)
+        want = decode_attention_reference(*args).float()
+        zero = args[11].float()[0, :, :, 0]  # [heads, tokens]
+        mean = (zero + 0.25 * (2**value_bits - 1)).mean(-1)  # [heads]
+        expected = mean.repeat_interleave(4)[:, None].expand(-1, 128)
+        torch.testing.assert_close(want[0], expected, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(triton_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("value_bits", [2, 4])
+def test_largest_value_sums_fit_int32_on_cuda(value_bits):
+    """The largest integer value sums of a step (2-bit values at 128 tokens, 4-bit at 64: 93% of
+    int32) come out right."""
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in largest_value_sums(value_bits, torch.float16))
+    want = decode_attention_reference(*args).float()
+    torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
 
 
 @requires_cuda
