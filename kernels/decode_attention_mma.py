@@ -609,19 +609,22 @@ def _decode_split_kernel_mma(
         # one scale per column (its largest term, code bits included, is 127).
         _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS)
         _transpose_value_words(value_bytes_smem, value_smem, stage, V_COLUMNS, G, VALUE_TRANSPOSE)
+        # This stage's scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
+        key_params = key_param_smem.index(stage).reshape([2 * D])
+        value_params = value_param_smem.index(stage).reshape([2 * G])
         # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-        value_peak = gl.max(value_param_smem.index(stage).reshape([2 * G]).slice(0, G).load(gl.SliceLayout(0, PARAMS_G)).to(gl.float32), 0)
+        value_peak = gl.max(value_params.slice(0, G).load(gl.SliceLayout(0, PARAMS_G)).to(gl.float32), 0)
         value_inverse = gl.where(value_peak > 0.0, 127.0 / value_peak, 0.0)
         value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
         # Per column: the largest term (code bits included) and sum(q * zero), one reduction each.
         if W_HIGH > 0:
-            x_high = q_high * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             terms = gl.abs(x_high) * (1 << (bits_high - 1)).to(gl.float32)
-            offsets = q_high * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(D, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
         if W_LOW > 0:
-            x_low = q_low * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             low_terms = gl.abs(x_low) * (1 << (bits_low - 1)).to(gl.float32)
-            low_offsets = q_low * gl.expand_dims(key_param_smem.index(stage).reshape([2 * D]).slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             if W_HIGH > 0:
                 terms = gl.maximum(terms, low_terms)
                 offsets += low_offsets
@@ -660,8 +663,8 @@ def _decode_split_kernel_mma(
                 high = high * 128 + low
             scores = high.to(gl.float32) * key_scale + k_offset
 
-            token_scale = gl.expand_dims(value_param_smem.index(stage).reshape([2 * G]).slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
-            token_zero = gl.expand_dims(value_param_smem.index(stage).reshape([2 * G]).slice(G + step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
+            token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
+            token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
             m_new = gl.maximum(m_i, gl.max(scores, 0))
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)

@@ -213,6 +213,27 @@ def test_kernel_builds_for_sm90(layout, head_dim, ratio, dtype):
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="Gluon kernels need a CUDA GPU")
 
+
+def on_cuda(args: tuple) -> tuple:
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def assert_matches_reference_on_cuda(args: tuple, dtype: torch.dtype, splits=(None,)) -> None:
+    """The Gluon kernel takes the call and, at each split count (None: its default), has no NaN and
+    matches the float32 reference: elementwise within 5e-2 (bf16) or 1e-2 (fp16), relative error
+    under a quarter of that. Tolerances of the earlier 16-bit operands (8 significant bits); the
+    8-bit parts carry 15, and the sinks and residual are still bf16 products. Not tightened: the
+    errors of these cases were not measured."""
+    args = on_cuda(args)
+    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
+    want = decode_attention_reference(*args).float()
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
+    for count in splits:
+        got = mma.mma_decode_attention(*args, num_splits=count).float()
+        assert not got.isnan().any()
+        torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        assert (got - want).norm() / want.norm() < tolerance / 4
+
 CUDA_CASES = [
     ("pnmix-1", 128, 4, torch.bfloat16), ("pnmix-1", 128, 4, torch.float16), ("pnmix-1", 64, 4, torch.bfloat16),
     ("pnmix-1", 128, 1, torch.bfloat16), ("pnmix-1", 128, 7, torch.float16), ("pnmix-2", 128, 4, torch.bfloat16),
@@ -231,18 +252,7 @@ CUDA_CASES = [
     ],
 )
 def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
-    args = decode_inputs(seeded(), layout, head_dim, ratio, dtype, **lengths)
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
-    want = decode_attention_reference(*args)
-    for splits in (None, 1, 3):
-        got = mma.mma_decode_attention(*args, num_splits=splits).float()
-        assert not got.isnan().any()
-        # Tolerances of the earlier 16-bit operands (8 significant bits); the 8-bit parts carry 15, and
-        # the sinks and residual are still bf16 products. Not tightened: the errors of these cases were not measured.
-        tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
-        torch.testing.assert_close(got, want.float(), atol=tolerance, rtol=tolerance)
-        assert (got - want.float()).norm() / want.float().norm() < tolerance / 4
+    assert_matches_reference_on_cuda(decode_inputs(seeded(), layout, head_dim, ratio, dtype, **lengths), dtype, (None, 1, 3))
 
 
 @requires_cuda
@@ -256,16 +266,10 @@ def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
     value sums would pass int32 in a 128-token one). 3-bit values go to the Triton kernel."""
     args = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1],
                          residual_len=[7, 128, 0], value_bits=value_bits)  # fmt: skip
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
     assert mma.step_tokens(128, value_bits) == (64 if value_bits == 4 else 128)
     three_bits = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[1], num_groups=[1], residual_len=[1], value_bits=3)
     assert not mma.supports(*(three_bits[i].cuda() for i in (0, 5, 6, 9, 10)), three_bits[2].shape[1])
-    want = decode_attention_reference(*args).float()
-    got = mma.mma_decode_attention(*args).float()
-    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-2
-    torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
-    assert (got - want).norm() / want.norm() < tolerance / 4
+    assert_matches_reference_on_cuda(args, dtype)
 
 
 @requires_cuda
@@ -275,13 +279,7 @@ def test_other_head_ratios_and_two_steps_per_group_on_cuda(layout, ratio):
     128-token steps per group) against the reference."""
     args = decode_inputs(seeded(), layout, 128, ratio, torch.bfloat16, sink_len=[32, 0, 9], num_groups=[3, 1, 2],
                          residual_len=[1, 128, 40])  # fmt: skip
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
-    assert mma.supports(args[0], args[5], args[6], args[9], args[10], args[2].shape[1])
-    want = decode_attention_reference(*args).float()
-    for splits in (None, 2):
-        got = mma.mma_decode_attention(*args, num_splits=splits).float()
-        torch.testing.assert_close(got, want, atol=5e-2, rtol=5e-2)
-        assert (got - want).norm() / want.norm() < 5e-2 / 4
+    assert_matches_reference_on_cuda(args, torch.bfloat16, (None, 2))
 
 
 def largest_value_sums(value_bits: int, dtype: torch.dtype) -> tuple:
@@ -319,7 +317,7 @@ def test_largest_value_sums_are_well_formed():
 def test_largest_value_sums_fit_int32_on_cuda(value_bits):
     """The largest integer value sums of a step (2-bit values at 128 tokens, 4-bit at 64: 93% of
     int32) come out right."""
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in largest_value_sums(value_bits, torch.float16))
+    args = on_cuda(largest_value_sums(value_bits, torch.float16))
     want = decode_attention_reference(*args).float()
     torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
 
@@ -330,7 +328,7 @@ def test_non_finite_group_gives_nan_on_cuda():
     args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, torch.bfloat16, sink_len=[3, 3], num_groups=[2, 2], residual_len=[5, 5]))
     args[8] = args[8].clone()
     args[8][0, :, 1, 0] = float("nan")  # key zero: sequence 0, group 1, channel 0
-    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+    args = on_cuda(args)
     want = decode_attention_reference(*args).float()
     got = mma.mma_decode_attention(*args).float()
     assert want[0].isnan().all() and got[0].isnan().all()
