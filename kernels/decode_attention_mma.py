@@ -282,17 +282,14 @@ def _int8(x):
 
 
 @gluon.jit
-def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low, v_codes,
-                      D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
-                      BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, PLANES: gl.constexpr,
-                      COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
-    """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
-    bases) into ``stage`` of the shared buffers: the key words ``[PLANES * G / 32, D / 4, 4]`` (row
-    p * G / 32 + w: word row w of plane p; channel 4q + i at ``[q, i]``, stored channel order; zeros
-    where a channel has fewer planes, and in the padding planes) and the value words transposed,
-    ``[b_V * D / 32, G]`` (one word per copy, the buffer swizzled so that neither these writes nor
-    the 16-byte reads of four tokens conflict). Nothing is read when not ``valid`` (a group past
-    this split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
+def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
+                  BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, PLANES: gl.constexpr,
+                  COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
+    """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
+    per program: the key words ``[PLANES * G / 32, D / 4, 4]`` (row p * G / 32 + w: word row w of
+    plane p; channel 4q + i at ``[q, i]``, stored channel order) as offsets into the high or the low
+    codes (``is_high``), ``present`` where the channel has the plane (zeros elsewhere, and in the
+    padding planes); the value words transposed ``[b_V * D / 32, G]`` (one word per copy)."""
     WORDS: gl.constexpr = G // 32
     row = gl.expand_dims(gl.expand_dims(gl.arange(0, PLANES * WORDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
     quad = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
@@ -300,14 +297,29 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
     plane = row // WORDS
     channel = 4 * quad + within
     is_high = channel < C_HIGH
-    high = kc_high + ((group * BITS_HIGH + plane) * WORDS + row % WORDS) * C_HIGH + channel
-    low = kc_low + ((group * BITS_LOW + plane) * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH)
-    present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW) & valid
-    async_copy.async_copy_global_to_shared(key_smem.index(stage), gl.where(is_high, high, low), mask=present)
+    key_offsets = gl.where(is_high, (plane * WORDS + row % WORDS) * C_HIGH + channel,
+                           (plane * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH))
+    present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW)
     column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(1, COPY_VALUES)), 1)
     token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
-    async_copy.async_copy_global_to_shared(value_smem.index(stage),
-                                           v_codes + (group * G + token) * (BITS_V * (D // 32)) + column, mask=valid)
+    return is_high, key_offsets, present, token * (BITS_V * (D // 32)) + column
+
+
+@gluon.jit
+def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low, v_codes, offsets,
+                      D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
+                      BITS_LOW: gl.constexpr, BITS_V: gl.constexpr):
+    """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
+    bases; ``offsets``: :func:`_copy_offsets`) into ``stage`` of the shared buffers: the key words
+    and the value words transposed (the value buffer swizzled so that neither these writes nor the
+    16-byte reads of four tokens conflict). Nothing is read when not ``valid`` (a group past this
+    split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
+    is_high, key_offsets, present, value_offsets = offsets
+    WORDS: gl.constexpr = G // 32
+    key_base = gl.where(is_high, kc_high + group * (BITS_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * (D - C_HIGH)))
+    async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & valid)
+    async_copy.async_copy_global_to_shared(value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets,
+                                           mask=valid)
 
 
 @gluon.jit
@@ -415,9 +427,12 @@ def _pair_total(x, HALF: gl.constexpr):
 
 
 @gluon.jit
-def _repeat_columns(x):
-    """``[Q] -> [2 Q]``: element c is ``x[c % Q]`` (a per-head factor for both columns of a pair)."""
-    return gl.reshape(gl.permute(gl.join(x, x), [1, 0]), [2 * x.shape[0]])
+def _repeat_columns(x, ROWS: gl.constexpr):
+    """``[Q] -> [2 Q]``: element c is ``x[c % Q]`` (a per-head factor for both columns of a pair).
+    ``x``: a reduction along dim 1 of a tensor in layout ``ROWS``, broadcast in it (``gl.join``
+    instead printed a layout-inference error, harmless, at head dim 64)."""
+    both = gl.expand_dims(x, 1) + gl.zeros([x.shape[0], 2], x.dtype, ROWS)
+    return gl.reshape(gl.permute(both, [1, 0]), [2 * x.shape[0]])
 
 
 @gluon.jit
@@ -586,9 +601,10 @@ def _decode_split_kernel_mma(
     zero_rows = no_scores
 
     group_start = split * per_split
+    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
     for i in gl.static_range(STAGES - 1):
         _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
-                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
+                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
         async_copy.commit_group()
         params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
                                     D, G, PARAMS_D, PARAMS_G)  # fmt: skip
@@ -599,7 +615,7 @@ def _decode_split_kernel_mma(
         ahead = group + STAGES - 1
         ahead_stage = (ahead - group_start) % STAGES
         _copy_group_codes(key_smem, value_smem, ahead_stage, ahead, ahead < group_end, kc_high, kc_low,
-                          v_codes, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
+                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
         async_copy.commit_group()
         params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
         async_copy.wait_group(STAGES - 1)
@@ -641,8 +657,8 @@ def _decode_split_kernel_mma(
         # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
         column_scale = peak * (1.0 / (127.0 * 128.0))
         if PAIRED:
-            column_scale = _repeat_columns(column_scale)
-            k_offset = _repeat_columns(k_offset)
+            column_scale = _repeat_columns(column_scale, Q2)
+            k_offset = _repeat_columns(k_offset, Q2)
         column_scale_smem.store(column_scale)
         column_offset_smem.store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
