@@ -22,12 +22,15 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 - The B operands (``q * scale``, ``p * scale``, float32) are split into two 8-bit parts with one
   scale per query column: ``y = 127 * x / peak``, ``high = round(y)``, ``low = round(128 * (y -
   high))``, 15 significant bits against bf16's 8; ``result = (128 * acc_high + acc_low) * peak /
-  (127 * 128)``. Keys: ``peak`` is the column's largest ``|q * scale| * 2^(b - 1)`` of the group
-  and plane p's operand is ``2^p y`` (all planes accumulate together); the operands are made
-  once per group by all warps into shared memory. Values: ``peak`` is the group's largest token
-  scale (``p <= 1``), and plane p is accumulated ``2^p`` times. The parts are rounded by adding
-  1.5 * 2^23 and reading the float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no
-  float-to-integer conversion.
+  (127 * 128)``. Keys: ``peak`` is the column's largest ``|q * scale|`` of the group; the operands
+  are made once per group by all warps into shared memory. Values: ``peak`` is the group's
+  largest token scale (``p <= 1``). The parts are rounded by adding 1.5 * 2^23 and reading the
+  float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no float-to-integer conversion.
+- Every bit plane meets the same B operand, the planes weighted by Horner's scheme: from the top
+  plane down, the integer accumulators are doubled and the next plane's MMA is added (one shift
+  per accumulator register and plane instead of one operand per plane and tile, or 2^p MMAs
+  for value plane p). The key sums stay far inside int32 (at most 128 channels x 15 x 127 x 128
+  = 3.1e7 with 4-bit codes); their high and low parts are combined in float32.
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
   8 columns hold each head twice, its high parts in column j and its low parts in column j + 4,
   so one MMA makes both (half the MMAs and B-operand loads); ``128 * high + low`` is then one
@@ -36,9 +39,14 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
-  of ``STAGES - 1`` groups in flight while one is computed (the 16-bit scales and zeros, whose alignment ``cp.async``
-  cannot assume, go through registers and are stored when the group before is done). Without it
-  the kernel waited on memory: the same instructions took 1.5-2x as long.
+  of ``STAGES`` groups in flight while one is computed: a buffer is refilled as soon as its codes
+  are transposed (the 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go
+  through registers and are stored when the group is done). Without staging the kernel waited on
+  memory: the same instructions took 1.5-2x as long.
+- Four barriers per step of a group: codes arrived; transposed words and query operands stored;
+  the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. (Triton's own cross-warp
+  reductions take two each, and its barrier analysis adds one before writes into a buffer that
+  was read since the last barrier, hence the order of the loop.)
 - Shared buffers are written one whole buffer per operation: Triton fences every write to a buffer
   that is read or written nearby with a barrier, whatever part of the buffer it touches.
 - The transposed words are read in a layout that is the A-operand layout with rows and columns
@@ -67,11 +75,12 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
 NUM_WARPS = 4
+WARPS = gl.constexpr(NUM_WARPS)
 DENSE_T = gl.constexpr(64)
 """Tokens per step of the full-precision parts (sinks, residual): 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 2
-"""Shared buffers of key groups: ``STAGES - 1`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
+"""Shared buffers of key groups: ``STAGES`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
 MAX_REGISTERS = 128
 """Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`)."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
@@ -178,7 +187,7 @@ def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int) -> dic
         B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
         KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim, tokens),
         KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim, tokens),
-        QUERY=_planes_layout(query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim)),
+        QUERY=query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim),
         VALUE_BYTES=_value_byte_layout(head_dim, tokens),
     )
 
@@ -192,6 +201,14 @@ def query_layout(rows: int, cols: int) -> gl.BlockedLayout:
     lanes_col = min(32, cols // vector)
     warps_col = max(1, min(NUM_WARPS, cols // (vector * lanes_col)))
     return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
+
+
+def partials_layout(columns: int) -> gl.DistributedLinearLayout:
+    """Layout of the 4 warps' column maxima ``[4, columns]`` (:func:`_column_max`): every thread holds
+    the 4 rows of the columns it holds of the MMA accumulators (column bit 0, and bit 3 of 16, in
+    registers, bits 1 and 2 in lanes 0 and 1), so the maximum over the rows stays in the thread."""
+    registers = [[0, 1], [1, 0], [2, 0]] + ([[0, 8]] if columns == 16 else [])
+    return gl.DistributedLinearLayout(registers, [[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], [[0, 0], [0, 0]], [], [4, columns])
 
 
 def quad_layout(quads: int) -> gl.BlockedLayout:
@@ -214,12 +231,6 @@ def value_copy_layout(columns: int) -> gl.BlockedLayout:
     consecutive lanes on consecutive global words (the columns of a token, then the next tokens)."""
     lanes = min(32, columns)
     return gl.BlockedLayout([1, 1], [lanes, 32 // lanes], [1, NUM_WARPS], [0, 1])
-
-
-def _planes_layout(layout: gl.BlockedLayout) -> gl.BlockedLayout:
-    """``layout`` ``[rows, cols]`` with a middle dimension held in registers: ``[rows, planes, cols]``."""
-    (r, c), (lr, lc), (wr, wc) = layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta
-    return gl.BlockedLayout([r, 1, c], [lr, 1, lc], [wr, 1, wc], [2, 1, 0])
 
 
 TRANSPOSE_ASM = gl.constexpr(
@@ -367,47 +378,51 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_tile_scores(high, low, key_bytes_smem, query_high_smem, query_low_smem, WORD0: gl.constexpr, mask,
-                     C0: gl.constexpr, W: gl.constexpr, TILE_PLANES: gl.constexpr, WORDS: gl.constexpr,
-                     T: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr, KEY_BYTES: gl.constexpr,
-                     PAIRED: gl.constexpr):
-    """Add the planes ``[0, TILE_PLANES)`` of stored channels ``[C0, C0 + W)`` of one step (transposed
-    words, word rows ``WORD0`` on of each plane's ``WORDS``) times the tile's 8-bit query operands
-    (plane p at columns ``[p W, p W + W)``) to the integer score accumulators: high and low parts
-    in two (``low`` untouched when ``PAIRED``: both parts are columns of ``query_high_smem``)."""
+def _key_plane_scores(high, low, key_bytes_smem, query_high, query_low, ROW0: gl.constexpr, mask, C0: gl.constexpr,
+                      W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
+                      PAIRED: gl.constexpr):
+    """Add one plane of stored channels ``[C0, C0 + W)`` of one step (transposed words, word rows
+    ``ROW0`` on) times the tile's 8-bit query operands (B-operand registers) to the integer score
+    accumulators: high and low parts in two (``low`` untouched when ``PAIRED``: both parts are
+    columns of ``query_high``)."""
     WORD_BYTES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEY_BYTES))
-    for p in gl.static_range(TILE_PLANES):
-        # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-        words = key_bytes_smem.slice(p * WORDS + WORD0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
-        words = gl.expand_dims(gl.expand_dims(words.load(WORD_BYTES), 2), 4)
-        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
-                                  A8, assert_trivial=True)
-        operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
-        high = mma_v2(operand, query_high_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), high)
-        if not PAIRED:
-            low = mma_v2(operand, query_low_smem.slice(p * W, W, 1).permute([1, 0]).load(B8), low)
+    # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
+    words = key_bytes_smem.slice(ROW0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
+    words = gl.expand_dims(gl.expand_dims(words.load(WORD_BYTES), 2), 4)
+    words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
+                              A8, assert_trivial=True)
+    operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
+    high = mma_v2(operand, query_high, high)
+    if not PAIRED:
+        low = mma_v2(operand, query_low, low)
     return high, low
 
 
 @gluon.jit
-def _query_operands(query_high_smem, query_low_smem, x, inverse, PAD: gl.constexpr, ROWS: gl.constexpr,
-                    W: gl.constexpr, QUERY: gl.constexpr, PAIRED: gl.constexpr):
-    """Store the 8-bit query operands of one key tile for this group, from ``x = q * scale``
-    ``[ROWS, W]``, into the two buffers ``[ROWS, PAD * W]`` of the high and low parts (``PAIRED``:
-    into rows ``[0, ROWS)`` and ``[ROWS, 2 ROWS)`` of ``query_high_smem``): at columns
-    ``[p W, p W + W)``, plane p < ``PAD`` (planes padded to a power of two), ``y = x * 2^p *
-    inverse`` (``inverse``: 127 / the column's largest ``|x| * 2^(b - 1)``) split by
-    :func:`_split_8bit`. Where a channel has fewer than p + 1 planes ``y`` may pass 127 and
-    wrap: that operand only meets zero bits. One store per
-    buffer (stores into one buffer are each fenced by a barrier)."""
-    weight = (1 << gl.arange(0, PAD, layout=gl.SliceLayout(0, gl.SliceLayout(2, QUERY)))).to(gl.float32)
-    y = gl.expand_dims(x * inverse, 1) * gl.expand_dims(gl.expand_dims(weight, 0), 2)  # [ROWS, PAD, W]
-    high, low = _split_8bit(y)
+def _query_operands(query_high_smem, query_low_smem, x, inverse, ROWS: gl.constexpr, PAIRED: gl.constexpr):
+    """Store the 8-bit query operands of one key tile for this group, ``y = x * inverse`` (``x = q *
+    scale`` ``[ROWS, W]``, ``inverse``: 127 / the column's largest ``|x|``) split by
+    :func:`_split_8bit`, into the two buffers ``[ROWS, W]`` of the high and low parts (``PAIRED``:
+    into rows ``[0, ROWS)`` and ``[ROWS, 2 ROWS)`` of ``query_high_smem``). One store per buffer
+    (stores into one buffer are each fenced by a barrier)."""
+    high, low = _split_8bit(x * inverse)
     if PAIRED:
-        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [3, 0, 1, 2]), [2 * ROWS, PAD * W])))
+        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [2, 0, 1]), [2 * ROWS, x.shape[1]])))
     else:
-        query_high_smem.store(_int8(gl.reshape(high, [ROWS, PAD * W])))
-        query_low_smem.store(_int8(gl.reshape(low, [ROWS, PAD * W])))
+        query_high_smem.store(_int8(high))
+        query_low_smem.store(_int8(low))
+
+
+@gluon.jit
+def _column_max(scores, max_smem, PARTIALS: gl.constexpr, MMA: gl.constexpr):
+    """The maximum of each column of ``scores`` ``[T, N]`` (MMA layout; warp w holds rows 16w + 64k ..
+    16w + 64k + 15), in ``gl.SliceLayout(0, MMA)``: each warp's within the warp, then the 4 warps'
+    through ``max_smem`` ``[4, N]`` with one barrier (``gl.max(scores, 0)`` takes two)."""
+    T: gl.constexpr = scores.shape[0]
+    per_warp = gl.max(gl.max(gl.reshape(scores, [T // 64, WARPS, 16, scores.shape[1]]), 2), 0)
+    max_smem.store(per_warp)
+    _barrier()
+    return gl.convert_layout(gl.max(max_smem.load(PARTIALS), 0), gl.SliceLayout(0, MMA), assert_trivial=True)
 
 
 @gluon.jit
@@ -481,14 +496,13 @@ def _decode_split_kernel_mma(
     s_rkb, s_rkh, s_rvb, s_rvh,
     RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
-    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, PAD_HIGH: gl.constexpr,
-    PAD_LOW: gl.constexpr,
+    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, SCORE_PLANES: gl.constexpr,
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
     KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
     VALUE_BYTES: gl.constexpr, VALUE_TRANSPOSE: gl.constexpr,
-    QUERY_HIGH_SHARED: gl.constexpr, QUERY_LOW_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
+    QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
-    PARAMS_G: gl.constexpr, OUT: gl.constexpr,
+    PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -504,7 +518,8 @@ def _decode_split_kernel_mma(
     # both columns of a pair; values are accumulated in both (each with its part) and summed at the end.
     PAIRED: gl.constexpr = QUERY_ROWS < BLOCK_Q
     j_mma = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA)), 0)
-    part_weight = gl.where(j_mma < QUERY_ROWS, 128, 1)  # PAIRED: high parts count 128 times
+    part_weight = gl.where(j_mma < QUERY_ROWS, 128, 1)  # PAIRED: high parts count 128 times (values: int32)
+    part_scale = part_weight.to(gl.float32)  # (keys: float32)
 
     # Query^T [D, BLOCK_Q] in the B-operand layout; scores in the log2 domain (qk_scale has log2(e)).
     d_b = gl.arange(0, D, layout=gl.SliceLayout(1, B))
@@ -527,7 +542,7 @@ def _decode_split_kernel_mma(
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Shared buffers: STAGES stages of key groups (STAGES - 1 copies in flight), transposed into the operand layouts.
+    # Shared buffers: STAGES stages of key groups (STAGES copies in flight), transposed into the operand layouts.
     # (Buffers are indexed along their first dim; the layouts describe the rest.)
     SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -555,34 +570,34 @@ def _decode_split_kernel_mma(
     v_zero = v_zero_ptr + b * s_vzb + h * s_vzh
 
     # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes).
-    # Their planes are 8-bit operands (bit j of a byte read as 2^j, see _key_tile_scores) met by the
+    # Their planes are 8-bit operands (bit j of a byte read as 2^j, see _key_plane_scores) met by the
     # query times the group's channel scales in two 8-bit parts (high, low: 15 significant bits),
     # made once per group by all warps together into shared memory (see _query_operands): two
-    # buffers per tile, or one of both parts when PAIRED. Both tiles are W_TILE wide.
+    # buffers per tile, or one of both parts when PAIRED; every plane of a tile meets the same
+    # operands. Both tiles are W_TILE wide.
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
-    Q2: gl.constexpr = gl.SliceLayout(1, QUERY)  # [QUERY_ROWS, W_TILE]
+    Q2: gl.constexpr = QUERY  # [QUERY_ROWS, W_TILE]
     order_ptrs = order_ptr + b * s_ob + h * s_oh
     j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, Q2)), 1)
     c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, Q2))
     if W_HIGH > 0:
         q_high = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0),
                          mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
-        bits_high = gl.expand_dims(gl.where(c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
-        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
+        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
         query_hl_smem = query_hh_smem
         if not PAIRED:
-            query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_HIGH * W_TILE], QUERY_HIGH_SHARED)
+            query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
     if W_LOW > 0:
         q_low = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
                         mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
-        bits_low = gl.expand_dims(gl.where(W_HIGH + c_q < C_HIGH, BITS_HIGH, BITS_LOW), 0)
-        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
+        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
         query_ll_smem = query_lh_smem
         if not PAIRED:
-            query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, PAD_LOW * W_TILE], QUERY_LOW_SHARED)
+            query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
     # Per query column and group: the scores' scale and offset, handed to the MMA layout in shared memory.
     column_scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
     column_offset_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
+    max_smem = gl.allocate_shared_memory(gl.float32, [WARPS, BLOCK_Q], SHARED_2D)  # per warp: its rows' maxima
     # Score row t read bit t % 8 of its bytes: its codes came out 2^(t % 8) times too large, and bit 7
     # is the sign bit of an 8-bit integer (-128).
     t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
@@ -602,7 +617,7 @@ def _decode_split_kernel_mma(
 
     group_start = split * per_split
     copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
-    for i in gl.static_range(STAGES - 1):
+    for i in gl.static_range(STAGES):
         _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
                           v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
         async_copy.commit_group()
@@ -610,36 +625,30 @@ def _decode_split_kernel_mma(
                                     D, G, PARAMS_D, PARAMS_G)  # fmt: skip
         _store_group_params(key_param_smem, value_param_smem, i, params)
     for group in range(group_start, group_end):
-        # Start reading group + STAGES - 1 into the buffers the last group was read from (its scales
-        # and zeros wait in registers until this group is done), then wait for this group's codes.
-        ahead = group + STAGES - 1
-        ahead_stage = (ahead - group_start) % STAGES
-        _copy_group_codes(key_smem, value_smem, ahead_stage, ahead, ahead < group_end, kc_high, kc_low,
-                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
-        async_copy.commit_group()
-        params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
+        # Wait for this group's codes (the next STAGES - 1 groups' copies stay in flight); the
+        # barrier also ends the last iteration's reads of the transposed words and operands.
         async_copy.wait_group(STAGES - 1)
         _barrier()
         stage = (group - group_start) % STAGES
         # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of
-        # one scale per column (its largest term, code bits included, is 127).
+        # one scale per column (its largest |q * scale| is 127).
         _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS)
         _transpose_value_words(value_bytes_smem, value_smem, stage, V_COLUMNS, G, VALUE_TRANSPOSE)
         # This stage's scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
         key_params = key_param_smem.index(stage).reshape([2 * D])
         value_params = value_param_smem.index(stage).reshape([2 * G])
         # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-        value_peak = gl.max(value_params.slice(0, G).load(gl.SliceLayout(0, PARAMS_G)).to(gl.float32), 0)
+        value_peak = gl.max(value_params.slice(0, G).load(GROUP_PER_WARP).to(gl.float32), 0)
         value_inverse = gl.where(value_peak > 0.0, 127.0 / value_peak, 0.0)
         value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
-        # Per column: the largest term (code bits included) and sum(q * zero), one reduction each.
+        # Per column: the largest |q * scale| and sum(q * zero), one reduction each.
         if W_HIGH > 0:
             x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
-            terms = gl.abs(x_high) * (1 << (bits_high - 1)).to(gl.float32)
+            terms = gl.abs(x_high)
             offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
         if W_LOW > 0:
             x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
-            low_terms = gl.abs(x_low) * (1 << (bits_low - 1)).to(gl.float32)
+            low_terms = gl.abs(x_low)
             low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
             if W_HIGH > 0:
                 terms = gl.maximum(terms, low_terms)
@@ -651,9 +660,9 @@ def _decode_split_kernel_mma(
         k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
         inverse = gl.expand_dims(gl.where(peak > 0.0, 127.0 / peak, 0.0), 1)
         if W_HIGH > 0:
-            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, PAD_HIGH, QUERY_ROWS, W_TILE, QUERY, PAIRED)
+            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, QUERY_ROWS, PAIRED)
         if W_LOW > 0:
-            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, PAD_LOW, QUERY_ROWS, W_TILE, QUERY, PAIRED)
+            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, QUERY_ROWS, PAIRED)
         # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
         column_scale = peak * (1.0 / (127.0 * 128.0))
         if PAIRED:
@@ -662,26 +671,50 @@ def _decode_split_kernel_mma(
         column_scale_smem.store(column_scale)
         column_offset_smem.store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
+        # This stage's codes are transposed: start reading group + STAGES into it (its scales and
+        # zeros wait in registers until this group is done with the stage's).
+        ahead = group + STAGES
+        _copy_group_codes(key_smem, value_smem, stage, ahead, ahead < group_end, kc_high, kc_low,
+                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
+        async_copy.commit_group()
+        params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
         key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, MMA)), 0)
         k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, MMA)), 0)
+        if W_HIGH > 0:
+            query_hh = query_hh_smem.permute([1, 0]).load(B8)
+            query_hl = query_hh
+            if not PAIRED:
+                query_hl = query_hl_smem.permute([1, 0]).load(B8)
+        if W_LOW > 0:
+            query_lh = query_lh_smem.permute([1, 0]).load(B8)
+            query_ll = query_lh
+            if not PAIRED:
+                query_ll = query_ll_smem.permute([1, 0]).load(B8)
         for step in gl.static_range(G // T):
+            # Horner's scheme over the planes (both tiles' plane p together): double, then add plane p.
             high = no_keys
             low = no_keys
-            if W_HIGH > 0:
-                high, low = _key_tile_scores(high, low, key_bytes_smem, query_hh_smem, query_hl_smem, step * (T // 32),
-                                             key_mask, 0, W_HIGH, PLANES_HIGH, WORDS, T, A8, B8, KEY_BYTES_HIGH, PAIRED)
-            if W_LOW > 0:
-                high, low = _key_tile_scores(high, low, key_bytes_smem, query_lh_smem, query_ll_smem, step * (T // 32),
-                                             key_mask, W_HIGH, W_LOW, BITS_LOW, WORDS, T, A8, B8, KEY_BYTES_LOW, PAIRED)
+            for key_plane in gl.static_range(SCORE_PLANES - 1, -1, -1):
+                if key_plane < SCORE_PLANES - 1:
+                    high = high * 2
+                    if not PAIRED:
+                        low = low * 2
+                if W_HIGH > 0 and key_plane < PLANES_HIGH:
+                    high, low = _key_plane_scores(high, low, key_bytes_smem, query_hh, query_hl, key_plane * WORDS + step * (T // 32),
+                                                  key_mask, 0, W_HIGH, T, A8, KEY_BYTES_HIGH, PAIRED)
+                if W_LOW > 0 and key_plane < BITS_LOW:
+                    high, low = _key_plane_scores(high, low, key_bytes_smem, query_lh, query_ll, key_plane * WORDS + step * (T // 32),
+                                                  key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, PAIRED)
+            # 128 * high + low in float32 (the integer sums with 4-bit codes would pass int32 times 128).
             if PAIRED:
-                high = _pair_total(high * part_weight, QUERY_ROWS)
+                scores = _pair_total(high.to(gl.float32) * part_scale, QUERY_ROWS)
             else:
-                high = high * 128 + low
-            scores = high.to(gl.float32) * key_scale + k_offset
+                scores = high.to(gl.float32) * 128.0 + low.to(gl.float32)
+            scores = scores * key_scale + k_offset
 
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
             token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
-            m_new = gl.maximum(m_i, gl.max(scores, 0))
+            m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, MMA))
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
@@ -702,25 +735,27 @@ def _decode_split_kernel_mma(
                 p_low = p_low_smem.permute([1, 0]).load(B8)
             v_high = no_values
             v_low = no_values
-            for plane in gl.static_range(BITS_V):
+            for value_plane in gl.static_range(BITS_V - 1, -1, -1):  # Horner's scheme, as for the keys
+                if value_plane < BITS_V - 1:
+                    v_high = v_high * 2
+                    if not PAIRED:
+                        v_low = v_low * 2
                 # [channel byte, token quad] -> broadcast over (bit, token within the quad) -> [D, T]: no data moves.
-                words = value_bytes_smem.slice(plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
+                words = value_bytes_smem.slice(value_plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
                 words = gl.expand_dims(gl.expand_dims(words, 1), 3)
                 words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 8, 8, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
                                           A8, assert_trivial=True)
                 operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
-                for _ in gl.static_range(1 << plane):  # plane p counts 2^p times
-                    v_high = mma_v2(operand, p_high, v_high)
-                    if not PAIRED:
-                        v_low = mma_v2(operand, p_low, v_low)
+                v_high = mma_v2(operand, p_high, v_high)
+                if not PAIRED:
+                    v_low = mma_v2(operand, p_low, v_low)
             if PAIRED:
                 v_high = v_high * part_weight
             else:
                 v_high = v_high * 128 + v_low
             acc = acc * alpha_row + v_high.to(gl.float32) * value_scale
             m_i = m_new
-        _store_group_params(key_param_smem, value_param_smem, ahead_stage, params)
-        _barrier()  # every warp is done with this stage before the next iteration refills it
+        _store_group_params(key_param_smem, value_param_smem, stage, params)
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     zero_sums = gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
@@ -753,8 +788,8 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     (``group_size`` is not used by this rule; earlier rules did, and the callers pass it).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    168, three programs per multiprocessor) and ``STAGES`` = 2 (one group's copies in flight; with
-    3 the shared memory of four programs does not fit). Its instructions depend on shared-memory loads closely, so
+    168, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
+    3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads closely, so
     it needs the fourth program's warps to hide their latency. Measured on an H200 with the paired
     columns and 128-token steps (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``; us at
     4 slots, then 2 and 3): pnmix-1 batch 1 / 32K 22.7 (26.7, 26.7), batch 8 / 16K 74.2 (71.3,
@@ -778,20 +813,21 @@ def kernel_constants(
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     key_planes = triton.next_power_of_2(max(planes_high, bits_low))
-    pad_high, pad_low = triton.next_power_of_2(planes_high), triton.next_power_of_2(bits_low)
+    score_planes = max(planes_high if high_width > 0 else 0, bits_low if high_width < head_dim else 0)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
     return dict(
         RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
-        PAD_HIGH=pad_high, PAD_LOW=pad_low,
+        SCORE_PLANES=score_planes,
         STAGES=stages,
         COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
-        QUERY_HIGH_SHARED=operand_shared_layout(pad_high * tile, block_q, tile),
-        QUERY_LOW_SHARED=operand_shared_layout(pad_low * tile, block_q, tile),
+        QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),
         VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
         PARAMS_D=params, PARAMS_G=params,
+        GROUP_PER_WARP=gl.BlockedLayout([group_size // 32], [32], [NUM_WARPS], [0]),  # the group's token scales in every warp
+        PARTIALS=partials_layout(block_q),
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
         **layouts(head_dim, high_width, query_rows, tokens),
     )  # fmt: skip

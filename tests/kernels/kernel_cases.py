@@ -23,6 +23,7 @@ WIDE_LAYOUTS = {
     "4-2": (0.25, 128, 4, 2),  # Kitty's widths
     "8-4": (0.5, 32, 8, 4),  # the widest codes, shortest group
     "g256": (0.5, 256, 3, 1),  # pnmix-1's widths, groups of two 128-token steps
+    "4-4": (1.0, 128, 4, 4),  # every channel at 4 bits: the largest integer key sums
 }
 
 

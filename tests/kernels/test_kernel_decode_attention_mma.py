@@ -14,7 +14,7 @@ from kernel_cases import LAYOUTS, decode_inputs, num_high, seeded
 
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import decode_attention_reference
-from pnmix_patch.quantize import pack_bits
+from pnmix_patch.quantize import dequantize_keys, pack_bits
 
 MASK = 0xFFFFFFFF
 
@@ -318,6 +318,46 @@ def test_largest_value_sums_fit_int32_on_cuda(value_bits):
     """The largest integer value sums of a step (2-bit values at 128 tokens, 4-bit at 64: 93% of
     int32) come out right."""
     args = on_cuda(largest_value_sums(value_bits, torch.float16))
+    want = decode_attention_reference(*args).float()
+    torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
+
+
+def largest_key_sums(dtype: torch.dtype) -> tuple:
+    """Inputs whose integer key sums are the largest possible: 4-bit codes in every channel with every
+    bit set (the top bit cleared for odd tokens, so that the scores differ), one key scale and the
+    same query element everywhere (every 8-bit part of q * scale is 127): 128 channels x 15 x 127 x
+    128 = 3.1e7 per score, 4.0e9 once the high part's weight 128 is applied (past int32). One sequence
+    of 3 groups, nothing else."""
+    args = list(decode_inputs(seeded(), "4-4", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0]))
+    codes = torch.full_like(args[5], -1)
+    codes[:, :, :, 3] = 0x55555555  # plane 3 (the top bit): even tokens only
+    args[5] = codes
+    args[0] = torch.ones_like(args[0])
+    args[7] = torch.full_like(args[7], 0.01)  # key scales
+    args[8] = torch.zeros_like(args[8])  # key zeros
+    return tuple(args)
+
+
+def test_largest_key_sums_are_well_formed():
+    """On CPU: in the inputs of the case below every channel's key is 15 * 0.01 at even tokens and
+    7 * 0.01 at odd ones, and the reference and the Triton kernel agree on them."""
+    from pnmix_patch.kernels.decode_attention import triton_decode_attention
+
+    args = largest_key_sums(torch.float16)
+    mask = torch.ones(args[1].shape, dtype=torch.bool)  # every channel selected
+    keys = dequantize_keys(args[5], args[6], args[7].float(), args[8].float(), mask)
+    expected = torch.tensor([0.15, 0.07]).repeat(keys.shape[2] // 2)[None, None, :, None].expand_as(keys)
+    torch.testing.assert_close(keys, expected, atol=1e-4, rtol=1e-3)
+    want = decode_attention_reference(*args).float()
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(triton_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
+
+
+@requires_cuda
+def test_largest_key_sums_on_cuda():
+    """The largest integer key sums (4-bit codes everywhere) come out right: the high and low parts
+    are combined in float32."""
+    args = on_cuda(largest_key_sums(torch.float16))
     want = decode_attention_reference(*args).float()
     torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
 
