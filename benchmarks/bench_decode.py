@@ -65,6 +65,9 @@ from pnmix_patch.kernels.decode_append import decode_append, decode_append_refer
 from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import copy_bandwidth  # noqa: E402
+
 MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
 CONTEXTS = (1024, 8192, 32768)
 PROMPT, WARMUP, STEPS = 64, 8, 40
@@ -87,22 +90,6 @@ def cache_arg(model) -> str:
     import inspect
 
     return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
-
-
-def copy_bandwidth(device) -> float:
-    source = torch.empty(2**30, dtype=torch.int16, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * source.numel() * 2 / (statistics.median(times) * 1e-3)
 
 
 # ---------------------------------------------------------------------------- checks
