@@ -58,9 +58,9 @@ def median_ms(function) -> float:
 
 def copy_bandwidth(device) -> float:
     """Bytes moved per second (read + write) by a 2 GiB device-to-device copy: median of 20 plain
-    launches timed by CUDA events. Not by :func:`median_ms`: a copy captured in a CUDA graph runs
-    as a memcpy node, measured at 2,776 GB/s on an H200 against 4,2xx GB/s launched directly (and
-    bf16 SDPA reads 4.5 TB/s), so it understated the bandwidth by a third."""
+    launches timed by CUDA events. Not by :func:`median_ms` (CUDA-graph replays): timed that way the
+    copy gave 2,776-2,777 GB/s on the H200 in this script's runs, against 4,164-4,256 GB/s timed
+    like this in ``bench_decode.py``'s, while bf16 SDPA here read 4.5 TB/s."""
     source = torch.empty(2**30, dtype=torch.int16, device=device)
     target = torch.empty_like(source)
     for _ in range(3):

@@ -790,11 +790,12 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     168, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
     3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads closely, so
-    it needs the fourth program's warps to hide their latency. Measured on an H200 with the paired
-    columns and 128-token steps (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``; us at
-    4 slots, then 2 and 3): pnmix-1 batch 1 / 32K 22.7 (26.7, 26.7), batch 8 / 16K 74.2 (71.3,
-    77.7), batch 32 / 32K 514.5 (514.4, 545.2); batch 580 / 8K fills the GPU at any count
-    (2,293.5); pnmix-2 batch 1 / 32K 30.9 (39.8, 36.5).
+    it needs the fourth program's warps to hide their latency. Measured on an H200 with the Horner
+    planes and four barriers per group (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
+    ``benchmarks/results/kernel_ab_horner.json``; us at 4 slots, then 2 and 3): pnmix-1 batch 1 /
+    32K 20.7 (21.5, 23.4), batch 8 / 16K 66.2 (62.8, 65.8), batch 32 / 32K 434.4 (436.1, 445.8);
+    batch 580 / 8K fills the GPU at any count (2,015.4); pnmix-2 batch 1 / 32K 26.7 (30.4, 31.0).
+    Two slots win only at batch 8 (5%): the rule stays.
     """
     return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
 
