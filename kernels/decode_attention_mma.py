@@ -576,10 +576,9 @@ def _decode_split_kernel_mma(
     # buffers per tile, or one of both parts when PAIRED; every plane of a tile meets the same
     # operands. Both tiles are W_TILE wide.
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
-    Q2: gl.constexpr = QUERY  # [QUERY_ROWS, W_TILE]
     order_ptrs = order_ptr + b * s_ob + h * s_oh
-    j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, Q2)), 1)
-    c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, Q2))
+    j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY)), 1)
+    c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY))
     if W_HIGH > 0:
         q_high = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0),
                          mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
@@ -643,13 +642,13 @@ def _decode_split_kernel_mma(
         value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
         # Per column: the largest |q * scale| and sum(q * zero), one reduction each.
         if W_HIGH > 0:
-            x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
             terms = gl.abs(x_high)
-            offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
         if W_LOW > 0:
-            x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
             low_terms = gl.abs(x_low)
-            low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, Q2)).to(gl.float32), 0)
+            low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
             if W_HIGH > 0:
                 terms = gl.maximum(terms, low_terms)
                 offsets += low_offsets
@@ -666,8 +665,8 @@ def _decode_split_kernel_mma(
         # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
         column_scale = peak * (1.0 / (127.0 * 128.0))
         if PAIRED:
-            column_scale = _repeat_columns(column_scale, Q2)
-            k_offset = _repeat_columns(k_offset, Q2)
+            column_scale = _repeat_columns(column_scale, QUERY)
+            k_offset = _repeat_columns(k_offset, QUERY)
         column_scale_smem.store(column_scale)
         column_offset_smem.store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
