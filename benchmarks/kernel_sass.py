@@ -155,17 +155,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--gluon-registers", nargs="+", default=["none", "128"], metavar="CAP",
+                        help="register caps of the Gluon kernel's builds ('none': uncapped); default: none 128")
     args = parser.parse_args()
+    try:
+        caps = [None if cap == "none" else int(cap) for cap in args.gluon_registers]
+    except ValueError:
+        parser.error(f"--gluon-registers {args.gluon_registers}: allowed 'none' or whole numbers of registers")
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1 is set: unset it, this tool compiles for the GPU")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "triton": triton.__version__, "target": "sm_90",
               "shape": {"query_heads_per_kv_head": RATIO, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
               "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, "max_registers": MAX_REGISTERS,
-              "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets),
+              "command": "python benchmarks/kernel_sass.py " + " ".join(f"--presets {p}" for p in args.presets)
+              + " --gluon-registers " + " ".join(args.gluon_registers),
               "kernels": {}, "gluon_kernels": {}}  # fmt: skip
     variants = [("triton", name, None) for name in args.presets]
-    variants += [("gluon", name, registers) for name in args.presets for registers in (None, 128)]
+    variants += [("gluon", name, registers) for name in args.presets for registers in caps]
     for kernel, name, registers in variants:
         if kernel == "triton":
             result = analyze(compile_split_kernel(PRESETS[name]))

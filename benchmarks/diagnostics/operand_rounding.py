@@ -11,8 +11,9 @@ scores ``codes @ (q * scale)`` made from operands split into two 8-bit parts (``
   largest ``|q * scale| * 2^(b - 1)``;
 - one operand, planes by Horner's scheme with a common plane 0 (``ef98a1e``): the scale set by the
   largest ``|q * scale|``, which the 1-bit channels' larger scales dominate;
-- one operand, the tiles' top planes aligned (branch ``next/top-aligned-planes``): a tile of fewer
-  planes enters the scheme late and its operand is ``q * scale * 2^-shift``.
+- one operand, the tiles' top planes aligned (``top_aligned_planes.patch`` beside this file, run on
+  the H200 and not adopted, see RESULTS): a tile of fewer planes enters the scheme late and its
+  operand is ``q * scale * 2^-shift``.
 
 Prints the mean relative error of the scores against float64 for each.
 """
