@@ -32,10 +32,11 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   for value plane p). The key sums stay far inside int32 (at most 128 channels x 15 x 127 x 128
   = 3.1e7 with 4-bit codes); their high and low parts are combined in float32.
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
-  8 columns hold each head twice, its high parts in column j and its low parts in column j + 4,
-  so one MMA makes both (half the MMAs and B-operand loads); ``128 * high + low`` is then one
-  shuffle between lanes (:func:`_pair_total`, scores) or one sum at the end (values). With more
-  heads the parts are two MMAs.
+  8 columns hold each head twice, its high parts in column 2j and its low parts in column 2j + 1,
+  so one MMA makes both (half the MMAs and B-operand loads). A thread's accumulator registers hold
+  both columns of a pair, so ``128 * high + low`` is made in the thread (:func:`_pair_parts`) and the
+  softmax works on one score per token and head (``[T, 4]``, :func:`heads_layout`). With more heads
+  the parts are two MMAs.
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
@@ -203,12 +204,33 @@ def query_layout(rows: int, cols: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
 
 
-def partials_layout(columns: int) -> gl.DistributedLinearLayout:
-    """Layout of the 4 warps' column maxima ``[4, columns]`` (:func:`_column_max`): every thread holds
-    the 4 rows of the columns it holds of the MMA accumulators (column bit 0, and bit 3 of 16, in
-    registers, bits 1 and 2 in lanes 0 and 1), so the maximum over the rows stays in the thread."""
-    registers = [[0, 1], [1, 0], [2, 0]] + ([[0, 8]] if columns == 16 else [])
-    return gl.DistributedLinearLayout(registers, [[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]], [[0, 0], [0, 0]], [], [4, columns])
+def _accumulator_bases(rows: int, columns: int) -> tuple[list, list, list]:
+    """Register, lane and warp bases of an ``mma.sync`` m16n8 accumulator ``[rows, columns]`` with 4
+    warps along the rows (``NVMMADistributedLayout`` version 2): a thread holds columns 2c and
+    2c + 1 of rows r and r + 8 of each 64-row tile (c: lane % 4, r: lane / 4), 8-column tiles in
+    registers."""
+    registers = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range(int(math.log2(columns)) - 3)]
+    registers += [[64 << i, 0] for i in range(int(math.log2(rows)) - 6)]
+    return registers, [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[16, 0], [32, 0]]
+
+
+def heads_layout(rows: int) -> gl.DistributedLinearLayout:
+    """Layout of ``[rows, 4]`` per-head values made from a paired accumulator ``[rows, 8]`` (columns
+    2j and 2j + 1: head j's high and low parts, in one thread): the accumulator's layout without its
+    column bit 0, so every thread holds one head of rows r and r + 8 of each 64-row tile."""
+    registers, lanes, warps = _accumulator_bases(rows, 8)
+    return gl.DistributedLinearLayout(registers[1:], [[0, 1], [0, 2]] + lanes[2:], warps, [], [rows, 4])
+
+
+def partials_layout(columns: int, paired: bool) -> gl.DistributedLinearLayout:
+    """Layout of the 4 warps' column maxima ``[4, columns]`` (:func:`_column_max`) of the scores
+    (``paired``: per head, :func:`heads_layout`; else the MMA accumulators): every thread holds the
+    4 rows of the columns it holds of the scores, so the maximum over the rows stays in the thread."""
+    if paired:  # heads in lanes 0 and 1
+        registers, lanes = [[1, 0], [2, 0]], [[0, 1], [0, 2]]
+    else:  # column bit 0, and bit 3 of 16, in registers, bits 1 and 2 in lanes 0 and 1
+        registers, lanes = [[0, 1], [1, 0], [2, 0]] + ([[0, 8]] if columns == 16 else []), [[0, 2], [0, 4]]
+    return gl.DistributedLinearLayout(registers, lanes + [[0, 0]] * 3, [[0, 0], [0, 0]], [], [4, columns])
 
 
 def quad_layout(quads: int) -> gl.BlockedLayout:
@@ -403,80 +425,81 @@ def _query_operands(query_high_smem, query_low_smem, x, inverse, ROWS: gl.conste
     """Store the 8-bit query operands of one key tile for this group, ``y = x * inverse`` (``x = q *
     scale`` ``[ROWS, W]``, ``inverse``: 127 / the column's largest ``|x|``) split by
     :func:`_split_8bit`, into the two buffers ``[ROWS, W]`` of the high and low parts (``PAIRED``:
-    into rows ``[0, ROWS)`` and ``[ROWS, 2 ROWS)`` of ``query_high_smem``). One store per buffer
+    head j's into rows 2j and 2j + 1 of ``query_high_smem``). One store per buffer
     (stores into one buffer are each fenced by a barrier)."""
     high, low = _split_8bit(x * inverse)
     if PAIRED:
-        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [2, 0, 1]), [2 * ROWS, x.shape[1]])))
+        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [0, 2, 1]), [2 * ROWS, x.shape[1]])))
     else:
         query_high_smem.store(_int8(high))
         query_low_smem.store(_int8(low))
 
 
 @gluon.jit
-def _column_max(scores, max_smem, PARTIALS: gl.constexpr, MMA: gl.constexpr):
-    """The maximum of each column of ``scores`` ``[T, N]`` (MMA layout; warp w holds rows 16w + 64k ..
-    16w + 64k + 15), in ``gl.SliceLayout(0, MMA)``: each warp's within the warp, then the 4 warps'
-    through ``max_smem`` ``[4, N]`` with one barrier (``gl.max(scores, 0)`` takes two)."""
+def _column_max(scores, max_smem, PARTIALS: gl.constexpr, SCORES: gl.constexpr):
+    """The maximum of each column of ``scores`` ``[T, N]`` (layout ``SCORES``: the MMA accumulators' or
+    :func:`heads_layout`; warp w holds rows 16w + 64k .. 16w + 64k + 15), in ``gl.SliceLayout(0,
+    SCORES)``: each warp's within the warp, then the 4 warps' through ``max_smem`` ``[4, N]`` with one
+    barrier (``gl.max(scores, 0)`` takes two)."""
     T: gl.constexpr = scores.shape[0]
     per_warp = gl.max(gl.max(gl.reshape(scores, [T // 64, WARPS, 16, scores.shape[1]]), 2), 0)
     max_smem.store(per_warp)
     _barrier()
-    return gl.convert_layout(gl.max(max_smem.load(PARTIALS), 0), gl.SliceLayout(0, MMA), assert_trivial=True)
+    return gl.convert_layout(gl.max(max_smem.load(PARTIALS), 0), gl.SliceLayout(0, SCORES), assert_trivial=True)
 
 
 @gluon.jit
-def _pair_sum(x, HALF: gl.constexpr):
-    """``x[:, :HALF] + x[:, HALF:]`` of ``x`` ``[R, 2 HALF]``: the two parts of each query head (see
-    the kernel's ``PAIRED``), held by lanes one bit apart."""
-    return gl.sum(gl.reshape(x, [x.shape[0], 2, HALF]), 1)
+def _pair_parts(x, HEADS: gl.constexpr):
+    """The even and odd columns of a paired accumulator ``x`` ``[R, 2 Q]`` (head j's high and low
+    parts, see the kernel's ``PAIRED``), each ``[R, Q]`` in ``HEADS`` (:func:`heads_layout`): both
+    columns of a pair are in one thread, so no data moves."""
+    high, low = gl.split(gl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+    return gl.convert_layout(high, HEADS, assert_trivial=True), gl.convert_layout(low, HEADS, assert_trivial=True)
 
 
 @gluon.jit
-def _pair_total(x, HALF: gl.constexpr):
-    """``x`` ``[R, 2 HALF]`` with both columns of each pair ``(c, c + HALF)`` replaced by their sum,
-    in ``x``'s layout (one shuffle and one addition per element)."""
-    pairs = gl.reshape(x, [x.shape[0], 2, HALF])
-    total = gl.reshape(gl.expand_dims(gl.sum(pairs, 1), 1) + gl.zeros_like(pairs), [x.shape[0], 2 * HALF])
-    return gl.convert_layout(total, x.type.layout, assert_trivial=True)
-
-
-@gluon.jit
-def _repeat_columns(x, ROWS: gl.constexpr):
-    """``[Q] -> [2 Q]``: element c is ``x[c % Q]`` (a per-head factor for both columns of a pair).
-    ``x``: a reduction along dim 1 of a tensor in layout ``ROWS``, broadcast in it (``gl.join``
-    instead printed a layout-inference error, harmless, at head dim 64)."""
-    both = gl.expand_dims(x, 1) + gl.zeros([x.shape[0], 2], x.dtype, ROWS)
-    return gl.reshape(gl.permute(both, [1, 0]), [2 * x.shape[0]])
+def _join_parts(high, low, MMA: gl.constexpr):
+    """``[R, Q]`` high and low parts -> ``[R, 2 Q]`` with head j's in columns 2j and 2j + 1, in the
+    MMA accumulators' layout (the inverse of :func:`_pair_parts`: no data moves)."""
+    return gl.convert_layout(gl.reshape(gl.join(high, low), [high.shape[0], 2 * high.shape[1]]), MMA, assert_trivial=True)
 
 
 @gluon.jit
 def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  QUERY_ROWS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr):
+                  QUERY_ROWS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr,
+                  SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr):
     """Attend to ``length`` full-precision rows ``[tokens, D]`` at ``k_ptr``/``v_ptr`` (sinks, residual).
-    With paired columns (``QUERY_ROWS < BLOCK_Q``, the query in both columns of a pair) the values
-    are added to the first column of each pair only."""
+    State as the packed groups': ``m_i``, ``l_i`` ``[QUERY_ROWS]`` in ``gl.SliceLayout(0, SCORES)``,
+    ``acc`` ``[D, QUERY_ROWS]`` in ``ACC``. With paired columns (``QUERY_ROWS < BLOCK_Q``) ``q_t`` holds
+    each head in both columns of its pair: the scores are the even columns' (``DENSE_SCORES``), and p
+    goes to the even columns only."""
+    PAIRED: gl.constexpr = QUERY_ROWS < BLOCK_Q
     T: gl.constexpr = DENSE_T
     t_k = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, A)), 1)
     d_k = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, A)), 0)
     c_v = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(1, A)), 1)
     t_v = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(0, A)), 0)
-    t_s = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, MMA)), 1)
+    t_s = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, DENSE_SCORES)), 1)
     for start in range(0, length, T):
         k = gl.load(k_ptr + (start + t_k) * D + d_k, mask=(start + t_k) < length, other=0.0)
         v = gl.load(v_ptr + (start + t_v) * D + c_v, mask=(start + t_v) < length, other=0.0)
         scores = mma_v2(k, q_t, gl.zeros([T, BLOCK_Q], gl.float32, layout=MMA))
+        if PAIRED:
+            scores = _pair_parts(scores, DENSE_SCORES)[0]
         scores = gl.where((start + t_s) < length, scores, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(scores, 0))
+        m_new = gl.maximum(m_i, gl.convert_layout(gl.max(scores, 0), gl.SliceLayout(0, SCORES)))
         alpha = gl.exp2(m_i - m_new)
-        p = gl.exp2(scores - gl.expand_dims(m_new, 0))
-        l_i = l_i * alpha + gl.sum(p, 0)
-        if QUERY_ROWS < BLOCK_Q:
-            p = gl.where(gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA)) < QUERY_ROWS, 0), p, 0.0)
-        acc = mma_v2(v, gl.convert_layout(p.to(k.dtype), B), acc * gl.expand_dims(alpha, 0))
+        p = gl.exp2(scores - gl.expand_dims(gl.convert_layout(m_new, gl.SliceLayout(0, DENSE_SCORES)), 0))
+        l_i = l_i * alpha + gl.convert_layout(gl.sum(p, 0), gl.SliceLayout(0, SCORES))
+        alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC)), 0)
+        if PAIRED:
+            p = _join_parts(p, gl.zeros_like(p), MMA)
+            values = mma_v2(v, gl.convert_layout(p.to(k.dtype), B), gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA))
+            acc = acc * alpha_acc + _pair_parts(values, ACC)[0]
+        else:
+            acc = mma_v2(v, gl.convert_layout(p.to(k.dtype), B), acc * alpha_acc)
         m_i = m_new
     return m_i, l_i, acc
-
 
 
 @gluon.jit
@@ -503,6 +526,7 @@ def _decode_split_kernel_mma(
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
+    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -512,29 +536,29 @@ def _decode_split_kernel_mma(
     W_LOW: gl.constexpr = D - W_HIGH
 
     # Query columns: with at most 4 query heads per KV head (QUERY_ROWS = 4, BLOCK_Q = 8) the MMA's
-    # 8 columns are paired: column j and j + 4 both belong to head j, the first for the high 8-bit
+    # 8 columns are paired: columns 2j and 2j + 1 both belong to head j, the first for the high 8-bit
     # parts of the B operands, the second for the low parts, so one MMA makes both (else high and low
-    # parts are two MMAs over QUERY_ROWS = BLOCK_Q columns). Scores and softmax are then the same in
-    # both columns of a pair; values are accumulated in both (each with its part) and summed at the end.
+    # parts are two MMAs over QUERY_ROWS = BLOCK_Q columns). A thread holds both columns of a pair:
+    # the scores, the softmax and the accumulated values are per head, [tokens or D, QUERY_ROWS] in
+    # SCORES and ACC (heads_layout; the MMA layout when not PAIRED).
     PAIRED: gl.constexpr = QUERY_ROWS < BLOCK_Q
-    j_mma = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA)), 0)
-    part_weight = gl.where(j_mma < QUERY_ROWS, 128, 1)  # PAIRED: high parts count 128 times (values: int32)
-    part_scale = part_weight.to(gl.float32)  # (keys: float32)
 
-    # Query^T [D, BLOCK_Q] in the B-operand layout; scores in the log2 domain (qk_scale has log2(e)).
+    # Query^T [D, BLOCK_Q] in the B-operand layout (PAIRED: head j in columns 2j and 2j + 1); scores
+    # in the log2 domain (qk_scale has log2(e)).
     d_b = gl.arange(0, D, layout=gl.SliceLayout(1, B))
-    head_b = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B)) % QUERY_ROWS, 0)
+    head_b = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B)) // (BLOCK_Q // QUERY_ROWS), 0)
     q_cols = query_ptr + b * s_qb + (h * RATIO + head_b) * s_qh + gl.expand_dims(d_b, 1)
     q_natural = (gl.load(q_cols, mask=head_b < RATIO, other=0.0).to(gl.float32) * qk_scale).to(dtype)
 
-    m_i = gl.full([BLOCK_Q], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([BLOCK_Q], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc = gl.zeros([D, BLOCK_Q], gl.float32, layout=MMA)  # rows: channels
+    m_i = gl.full([QUERY_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, SCORES))
+    l_i = gl.zeros([QUERY_ROWS], gl.float32, layout=gl.SliceLayout(0, SCORES))
+    acc = gl.zeros([D, QUERY_ROWS], gl.float32, layout=ACC)  # rows: channels
 
     # Sinks: split 0 only.
     n_sink = gl.where(split == 0, gl.minimum(gl.load(sink_len_ptr + b), sink_cap), 0)
     m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, sink_k_ptr + b * s_skb + h * s_skh,
-                                  sink_v_ptr + b * s_svb + h * s_svh, n_sink, D, BLOCK_Q, QUERY_ROWS, A, B, MMA)
+                                  sink_v_ptr + b * s_svb + h * s_svh, n_sink, D, BLOCK_Q, QUERY_ROWS, A, B, MMA,
+                                  SCORES, DENSE_SCORES, ACC)
 
     # Packed groups: this split's slice of the sequence's groups.
     WORDS: gl.constexpr = G // 32
@@ -593,26 +617,25 @@ def _decode_split_kernel_mma(
         query_ll_smem = query_lh_smem
         if not PAIRED:
             query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
-    # Per query column and group: the scores' scale and offset, handed to the MMA layout in shared memory.
-    column_scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
-    column_offset_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_Q], SHARED_1D)
-    max_smem = gl.allocate_shared_memory(gl.float32, [WARPS, BLOCK_Q], SHARED_2D)  # per warp: its rows' maxima
+    # Per query head and group: the scores' scale and offset, handed to the scores' layout in shared memory.
+    column_scale_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
+    column_offset_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
+    max_smem = gl.allocate_shared_memory(gl.float32, [WARPS, QUERY_ROWS], SHARED_2D)  # per warp: its rows' maxima
     # Score row t read bit t % 8 of its bytes: its codes came out 2^(t % 8) times too large, and bit 7
     # is the sign bit of an 8-bit integer (-128).
-    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, MMA))
+    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES))
     key_unit = gl.expand_dims(gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32)), 1)
     key_mask = gl.expand_dims(0x01010101 << (gl.arange(0, T, layout=gl.SliceLayout(1, A8)) % 8), 1)
     no_keys = gl.zeros([T, BLOCK_Q], gl.int32, layout=MMA)
 
     # Value planes: 8-bit operands like the keys' (row c read bit c % 8 of its bytes).
     VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 8, T / 4]
-    rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
     value_unit = gl.expand_dims(gl.where(rows_acc % 8 == 7, -1.0, 1.0) * gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)
     value_mask = gl.expand_dims(0x01010101 << (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 8), 1)
-    no_scores = gl.zeros([T, BLOCK_Q], gl.float32, layout=MMA)
     no_values = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
-    l_rows = no_scores  # per-thread partial sums over the packed tokens, see below
-    zero_rows = no_scores
+    l_rows = gl.zeros([T, QUERY_ROWS], gl.float32, layout=SCORES)  # per-thread partial sums over the packed tokens, see below
+    zero_rows = l_rows
 
     group_start = split * per_split
     copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
@@ -664,9 +687,6 @@ def _decode_split_kernel_mma(
             _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, QUERY_ROWS, PAIRED)
         # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
         column_scale = peak * (1.0 / (127.0 * 128.0))
-        if PAIRED:
-            column_scale = _repeat_columns(column_scale, QUERY)
-            k_offset = _repeat_columns(k_offset, QUERY)
         column_scale_smem.store(column_scale)
         column_offset_smem.store(k_offset)
         _barrier()  # the transposed words, the query operands and the column factors are in shared memory
@@ -677,8 +697,8 @@ def _decode_split_kernel_mma(
                           v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
         async_copy.commit_group()
         params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
-        key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, MMA)), 0)
-        k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, MMA)), 0)
+        key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
+        k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, SCORES)), 0)
         if W_HIGH > 0:
             query_hh = query_hh_smem.permute([1, 0]).load(B8)
             query_hl = query_hh
@@ -706,14 +726,12 @@ def _decode_split_kernel_mma(
                                                   key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, PAIRED)
             # 128 * high + low in float32 (the integer sums with 4-bit codes would pass int32 times 128).
             if PAIRED:
-                scores = _pair_total(high.to(gl.float32) * part_scale, QUERY_ROWS)
-            else:
-                scores = high.to(gl.float32) * 128.0 + low.to(gl.float32)
-            scores = scores * key_scale + k_offset
+                high, low = _pair_parts(high, SCORES)
+            scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * key_scale + k_offset
 
-            token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
-            token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, MMA)).to(gl.float32), 1)
-            m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, MMA))
+            token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
+            token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
+            m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, SCORES))
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
@@ -724,7 +742,7 @@ def _decode_split_kernel_mma(
             zero_rows = zero_rows * alpha_row + p * token_zero
             p_high, p_low = _split_8bit(p * token_scale * value_inverse)
             if PAIRED:
-                p_high_smem.store(gl.permute(_int8(gl.where(j_mma < QUERY_ROWS, p_high, p_low)), [1, 0]))
+                p_high_smem.store(gl.permute(_int8(_join_parts(p_high, p_low, MMA)), [1, 0]))
             else:
                 p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
                 p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
@@ -749,32 +767,27 @@ def _decode_split_kernel_mma(
                 if not PAIRED:
                     v_low = mma_v2(operand, p_low, v_low)
             if PAIRED:
-                v_high = v_high * part_weight
-            else:
-                v_high = v_high * 128 + v_low
-            acc = acc * alpha_row + v_high.to(gl.float32) * value_scale
+                v_high, v_low = _pair_parts(v_high, ACC)
+            alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
+            acc = acc * alpha_acc + (v_high * 128 + v_low).to(gl.float32) * value_scale
             m_i = m_new
         _store_group_params(key_param_smem, value_param_smem, stage, params)
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
-    zero_sums = gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, MMA)), 0)
-    if PAIRED:
-        zero_sums = gl.where(j_mma < QUERY_ROWS, zero_sums, 0.0)
-    acc += zero_sums
+    acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
 
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
     m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, res_k_ptr + b * s_rkb + h * s_rkh,
-                                  res_v_ptr + b * s_rvb + h * s_rvh, n_res, D, BLOCK_Q, QUERY_ROWS, A, B, MMA)
+                                  res_v_ptr + b * s_rvb + h * s_rvh, n_res, D, BLOCK_Q, QUERY_ROWS, A, B, MMA,
+                                  SCORES, DENSE_SCORES, ACC)
 
     # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
-    j_s = gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, MMA))
+    j_s = gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(0, SCORES))
     rows = (b * num_heads * RATIO + h * RATIO + j_s) * num_splits + split
     j_ok = j_s < RATIO
     gl.store(m_out_ptr + rows, m_i, mask=j_ok)
     gl.store(l_out_ptr + rows, l_i, mask=j_ok)
-    if PAIRED:
-        acc = _pair_sum(acc, QUERY_ROWS)
     acc = gl.convert_layout(acc, OUT)  # [D, QUERY_ROWS]
     j_o = gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(0, OUT))
     rows_o = (b * num_heads * RATIO + h * RATIO + j_o) * num_splits + split
@@ -810,6 +823,9 @@ def kernel_constants(
     block_q = max(8, triton.next_power_of_2(ratio))
     query_rows = block_q // 2 if ratio <= block_q // 2 else block_q  # paired columns (see the kernel) up to 4 heads
     tokens = step_tokens(group_size, bits_value)
+    paired = query_rows < block_q
+    kernel_layouts = layouts(head_dim, high_width, query_rows, tokens)
+    mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     key_planes = triton.next_power_of_2(max(planes_high, bits_low))
@@ -827,9 +843,11 @@ def kernel_constants(
         VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
         PARAMS_D=params, PARAMS_G=params,
         GROUP_PER_WARP=gl.BlockedLayout([group_size // 32], [32], [NUM_WARPS], [0]),  # the group's token scales in every warp
-        PARTIALS=partials_layout(block_q),
+        PARTIALS=partials_layout(query_rows, paired),
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
-        **layouts(head_dim, high_width, query_rows, tokens),
+        SCORES=heads_layout(tokens) if paired else mma, DENSE_SCORES=heads_layout(DENSE_T.value) if paired else mma,
+        ACC=heads_layout(head_dim) if paired else mma,
+        **kernel_layouts,
     )  # fmt: skip
 
 
