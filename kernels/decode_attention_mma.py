@@ -800,13 +800,14 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     (``group_size`` is not used by this rule; earlier rules did, and the callers pass it).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    168, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
-    3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads closely, so
-    it needs the fourth program's warps to hide their latency. Measured on an H200 with the Horner
-    planes and four barriers per group (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
-    ``benchmarks/results/kernel_ab_horner.json``; us at 4 slots, then 2 and 3): pnmix-1 batch 1 /
-    32K 20.7 (21.5, 23.4), batch 8 / 16K 66.2 (62.8, 65.8), batch 32 / 32K 434.4 (436.1, 445.8);
-    batch 580 / 8K fills the GPU at any count (2,015.4); pnmix-2 batch 1 / 32K 26.7 (30.4, 31.0).
+    142, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
+    3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads
+    closely, so it needs the fourth program's warps to hide their latency; a fifth (96 registers)
+    was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``). Measured on
+    an H200 with paired columns side by side (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
+    ``benchmarks/results/kernel_ab_adjacent_pairs.json``; us at 4 slots, then 2 and 3): pnmix-1 batch
+    1 / 32K 19.3 (19.5, 21.8), batch 8 / 16K 60.3 (57.3, 59.4), batch 32 / 32K 388.9 (389.8, 397.5);
+    batch 580 / 8K fills the GPU at any count (1,731.0); pnmix-2 batch 1 / 32K 24.8 (27.4, 28.5).
     Two slots win only at batch 8 (5%): the rule stays.
     """
     return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)

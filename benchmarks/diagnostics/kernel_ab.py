@@ -35,9 +35,10 @@ from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling
 SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)],
           "pnmix-2": [(1, 32768), (32, 32768), (64, 16384)], "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
 ERROR_SHAPES = [(8, 4096)]
-# (stages, max registers, slots per SM). 96 registers fit five programs per SM; offline
-# (python benchmarks/kernel_sass.py --presets pnmix-1 --gluon-registers 128 96, Triton 3.6) that build's
-# packed loop takes 790 instructions per group, 4 of them spills, against 779 and none at 128.
+# (stages, max registers, slots per SM). 96 registers fit five programs per SM; with the twelfth session's
+# kernel that build took 790 instructions per group, 4 of them spills, against 779 and none at 128 (python
+# benchmarks/kernel_sass.py --presets pnmix-1 --gluon-registers 128 96, Triton 3.6) and was slower at every
+# shape (benchmarks/results/kernel_ab_registers96.json).
 VARIANTS = [(3, None, 3), (2, None, 3), (2, 128, 4), (3, 128, 4), (2, 160, 3), (2, 96, 5)]
 VARIANT_SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 32768), (580, 8192)], "pnmix-2": [(32, 32768)]}
 
