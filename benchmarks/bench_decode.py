@@ -405,7 +405,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
     parser.add_argument("--graphed", action="store_true",
                         help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep")
-    parser.add_argument("--tag", default="", help="suffix of the JSON file name")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
@@ -434,7 +434,8 @@ def main() -> None:
         "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
     }  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    suffix = "_".join(args.model) + (f"_{args.tag}" if args.tag else "")
+    tag = args.tag.lstrip("_")
+    suffix = "_".join(args.model) + (f"_{tag}" if tag else "")
     (Path(args.out) / f"bench_decode_{suffix}.json").write_text(json.dumps(report, indent=2))
 
 
