@@ -98,44 +98,46 @@ def test_byte_layouts_split_the_8_bit_operand(tokens):
         assert basis == [c >> 3, c & 7, t >> 2, t & 3]
 
 
-def linear_coordinates(bases: list, index: int) -> list:
-    """The coordinates a linear layout gives index ``index`` of one of its dimensions (registers, lanes
-    or warps): the XOR of the bases of its set bits."""
-    coordinates = [0] * len(bases[0]) if bases else []
-    for bit, basis in enumerate(bases):
-        if index >> bit & 1:
-            coordinates = [c ^ b for c, b in zip(coordinates, basis, strict=True)]
-    return coordinates
+def linear_element(bases: tuple, register: int, lane: int, warp: int) -> list:
+    """The element a linear layout's (register, lane, warp) bases ``bases`` give one register of one
+    thread: the XOR of the bases of every set bit of the three indices."""
+    element = [0] * len(bases[1][0])
+    for dimension, index in zip(bases, (register, lane, warp), strict=True):
+        for bit, basis in enumerate(dimension):
+            if index >> bit & 1:
+                element = [e ^ b for e, b in zip(element, basis, strict=True)]
+    return element
 
 
 @pytest.mark.parametrize("rows, columns", [(64, 8), (128, 8), (128, 16)])
-def test_heads_layout_is_the_paired_accumulator_without_its_part_column(rows, columns):
-    """The accumulator bases are the PTX m16n8 fragment (lane l: elements c0, c1 at row l / 4, columns
-    2 (l % 4) + {0, 1}; c2, c3 eight rows below; warps 16 rows apart; further 8-column and 64-row tiles
-    in registers), and :func:`heads_layout` is that fragment of 8 columns with column bit 0 (the part
-    of a pair) dropped: lane l holds head l % 4 of the same rows, and no element twice."""
-    registers, lanes, warps = mma._accumulator_bases(rows, columns)
+def test_accumulator_bases_are_the_mma_fragment(rows, columns):
+    """The accumulator bases are the PTX m16n8 fragment: lane l holds elements c0, c1 at row l / 4,
+    columns 2 (l % 4) + {0, 1}, and c2, c3 eight rows below; warps 16 rows apart; further 8-column
+    and 64-row tiles in registers."""
+    bases = mma._accumulator_bases(rows, columns)
     column_tiles = columns // 8
-    for register in range(2 ** len(registers)):
+    for register in range(2 ** len(bases[0])):
+        tile = register >> 2
         for lane in range(32):
             for warp in range(4):
-                tile = register >> 2
                 want = [lane // 4 + 8 * (register >> 1 & 1) + 16 * warp + 64 * (tile // column_tiles),
                         2 * (lane % 4) + (register & 1) + 8 * (tile % column_tiles)]  # fmt: skip
-                got = [a ^ b ^ c for a, b, c in zip(linear_coordinates(registers, register), linear_coordinates(lanes, lane),
-                                                    linear_coordinates(warps, warp), strict=True)]  # fmt: skip
-                assert got == want
-    if columns != 8:
-        return
+                assert linear_element(bases, register, lane, warp) == want
+
+
+@pytest.mark.parametrize("rows", [64, 128])
+def test_heads_layout_is_the_paired_accumulator_without_its_part_column(rows):
+    """:func:`heads_layout` is the 8-column accumulator fragment with column bit 0 (the part of a
+    pair) dropped: lane l holds head l % 4 of the same rows, and no element twice."""
+    accumulator = mma._accumulator_bases(rows, 8)
     heads = mma.heads_layout(rows)
+    heads_bases = (heads.reg_bases, heads.lane_bases, heads.warp_bases)
     seen = set()
     for register in range(2 ** len(heads.reg_bases)):
         for lane in range(32):
             for warp in range(4):
-                got = [a ^ b ^ c for a, b, c in zip(linear_coordinates(heads.reg_bases, register), linear_coordinates(heads.lane_bases, lane),
-                                                    linear_coordinates(heads.warp_bases, warp), strict=True)]  # fmt: skip
-                row, column = [a ^ b ^ c for a, b, c in zip(linear_coordinates(registers, register << 1), linear_coordinates(lanes, lane),
-                                                            linear_coordinates(warps, warp), strict=True)]  # fmt: skip
+                row, column = linear_element(accumulator, register << 1, lane, warp)
+                got = linear_element(heads_bases, register, lane, warp)
                 assert got == [row, column // 2]
                 seen.add(tuple(got))
     assert len(seen) == rows * 4
