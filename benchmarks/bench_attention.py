@@ -392,9 +392,9 @@ def sweep_mma(device) -> list[dict]:
 def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
     pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
-    counts is timed once; the launch default (``default_splits``, ``MAX_REGISTERS``) flagged."""
+    counts is timed once; the launch default (``default_splits``, ``register_cap``) flagged."""
     from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits
-    from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, default_splits, mma_decode_attention
+    from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention, register_cap
 
     rows = []
     sms = _multiprocessors(device.index or 0)
@@ -402,7 +402,7 @@ def sweep_occupancy(device) -> list[dict]:
         for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)):
             args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
-            for registers in (None, 168, 160, 128):
+            for registers in (None, 168, 160, 128, 96):
                 timed = set()  # split counts already timed at this cap: two slot counts can give the same one
                 for per_sm in (2, 3, 4):
                     splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
@@ -410,7 +410,7 @@ def sweep_occupancy(device) -> list[dict]:
                         continue
                     timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
-                    flag = splits == default and registers == MAX_REGISTERS
+                    flag = splits == default and registers == register_cap(32 * args[5].shape[4])
                     rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,
                                  "programs_per_sm_assumed": per_sm, "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
                     print(f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "

@@ -83,7 +83,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 2
 """Shared buffers of key groups: ``STAGES`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
 MAX_REGISTERS = 128
-"""Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`)."""
+"""Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`);
+:data:`MAX_REGISTERS_64` for 64-token groups (:func:`register_cap`)."""
+MAX_REGISTERS_64 = 96
+"""Registers per thread for 64-token key groups (pnmix-2): five programs per multiprocessor, no spills."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
@@ -146,6 +149,22 @@ def step_tokens(group_size: int, value_bits: int) -> int:
     x (2^b - 1) plane repeats x 128 x 127 (the largest product of 8-bit operands) x 128 (the high
     part's weight) < 2^31 (4-bit values at 128 tokens would reach 4.0e9)."""
     return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
+
+
+def register_cap(group_size: int) -> int:
+    """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens: 96 for 64
+    (a step is then 64 tokens, its state smaller: five programs per multiprocessor fit, and the
+    compiled kernel does not spill), else 128 (four programs).
+
+    Measured on an H200 (Triton 3.6, bf16, split counts of 4 slots per multiprocessor,
+    ``benchmarks/diagnostics/kernel_ab.py --variants``, ``benchmarks/results/kernel_ab_registers96_pnmix2.json``):
+    pnmix-2 at 96 against 128 registers, batch 1 / 32K 24.6 vs 24.8 us, batch 8 / 16K 80.0 vs 81.8,
+    batch 32 / 16K 284.5 vs 292.3, batch 32 / 32K 551.2 vs 567.0, batch 64 / 16K 554.8 vs 569.5. For
+    128-token groups 96 registers were slower at every shape tried or no faster (pnmix-1 batch 32 / 32K
+    399.2 vs 390.3 us, ``kernel_ab_registers96_adjacent.json``; kivi-2 batch 32 / 32K 405.3 vs 406.3,
+    batch 1 / 32K 26.1 vs 20.9, 5 slots, ``kernel_ab_registers96_kivi2.json``).
+    """
+    return MAX_REGISTERS_64 if group_size == 64 else MAX_REGISTERS
 
 
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
@@ -802,8 +821,12 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
     3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads
-    closely, so it needs the fourth program's warps to hide their latency; a fifth (96 registers)
-    was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``). Measured on
+    closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
+    fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
+    ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers
+    (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots: filling 5,
+    pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.995x the time at batch 8 to 64
+    (541.3 against 551.2 us at batch 32 / 32K; ``kernel_ab_registers96_pnmix2.json``). Measured on
     an H200 with paired columns side by side (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
     ``benchmarks/results/kernel_ab_adjacent_pairs.json``; us at 4 slots, then 2 and 3): pnmix-1 batch
     1 / 32K 19.3 (19.5, 21.8), batch 8 / 16K 60.3 (57.3, 59.4), batch 32 / 32K 388.9 (389.8, 397.5);
@@ -858,19 +881,21 @@ def mma_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    max_registers: int | None = MAX_REGISTERS, stages: int = STAGES,
+    max_registers: int | None | str = "auto", stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
 
     The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
-    ``max_registers`` (per thread, Triton's ``maxnreg``; None: the compiler's choice) and ``stages``
+    ``max_registers`` (per thread, Triton's ``maxnreg``; ``"auto"``: :func:`register_cap`; None: the
+    compiler's choice) and ``stages``
     (shared buffers of key groups) are for benchmarks that sweep them.
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
+    max_registers = register_cap(32 * words) if max_registers == "auto" else max_registers
     constants = dict(
         kernel_constants(
             head_dim, q_heads // heads, 32 * words, c_high,

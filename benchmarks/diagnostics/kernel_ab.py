@@ -10,7 +10,8 @@ of both against the float32 reference (small shapes), then the median time of ea
 replays) at its own default split count, and of the current kernel at split counts filling 2, 3
 and 4 programs per multiprocessor (the occupancy its registers allow may have changed). With
 ``--variants``, also the current kernel's launch variants of ``VARIANTS`` (groups in flight,
-register cap, split slots per multiprocessor) on a few shapes. Writes ``kernel_ab.json`` under
+register cap, split slots per multiprocessor; ``--variant-configs`` names others) on the shapes of
+``VARIANT_SHAPES`` (``--variant-presets`` picks presets). Writes ``kernel_ab.json`` under
 ``--out`` (default ``benchmarks/results``).
 """
 
@@ -41,7 +42,9 @@ ERROR_SHAPES = [(8, 4096)]
 # shape (benchmarks/results/kernel_ab_registers96.json). The thirteenth session's kernel at 96 registers: 663
 # instructions per group and no spills, against 657 at 128 (same command); not timed.
 VARIANTS = [(3, None, 3), (2, None, 3), (2, 128, 4), (3, 128, 4), (2, 160, 3), (2, 96, 5)]
-VARIANT_SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 32768), (580, 8192)], "pnmix-2": [(32, 32768)]}
+VARIANT_SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 32768), (580, 8192)],
+                  "pnmix-2": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384)],
+                  "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
 
 
 def load_baseline(path: str):
@@ -62,6 +65,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
+    parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES), default=list(VARIANT_SHAPES))
+    parser.add_argument("--variant-configs", nargs="+", metavar="STAGES,REGISTERS,SLOTS",
+                        help="launch variants to time instead of VARIANTS (REGISTERS: a number or none)")
     args = parser.parse_args()
     baseline = load_baseline(args.baseline)
     device = torch.device("cuda")
@@ -99,14 +105,16 @@ def main() -> None:
                   f"{row['current_ms'] * 1e3:8.1f} us ({row['speedup']:.2f}x)   current at {slots}", flush=True)
             del cache
     variants = []
-    for preset, shapes in (VARIANT_SHAPES if args.variants else {}).items():
-        for batch, tokens in shapes:
+    configs = VARIANTS if args.variant_configs is None else [
+        tuple(None if part == "none" else int(part) for part in config.split(",")) for config in args.variant_configs]
+    for preset in args.variant_presets if args.variants else ():
+        for batch, tokens in VARIANT_SHAPES[preset]:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             groups = cache[5].shape[2]
             ms = median_ms(lambda: baseline.mma_decode_attention(*cache))
             variants.append({"preset": preset, "batch": batch, "context": tokens, "kernel": "baseline", "ms": ms})
             print(f"  {preset} B={batch:3d} T={tokens:6d} baseline (its defaults): {ms * 1e3:8.1f} us", flush=True)
-            for stages, registers, per_sm in VARIANTS:
+            for stages, registers, per_sm in configs:
                 splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
                 ms = median_ms(lambda: current.mma_decode_attention(*cache, num_splits=splits, max_registers=registers, stages=stages))
                 variants.append({"preset": preset, "batch": batch, "context": tokens, "stages": stages, "max_registers": registers,

@@ -420,8 +420,10 @@ def test_non_finite_group_gives_nan_on_cuda():
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=5e-2)
 
 
-def test_launch_passes_every_kernel_argument(monkeypatch):
-    """On CPU: the launcher hands the Gluon kernel each of its parameters once (recorded, not run)."""
+@pytest.mark.parametrize("preset, group_size, registers", [("pnmix-1", 128, 128), ("pnmix-2", 64, 96)])
+def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, registers):
+    """On CPU: the launcher hands the Gluon kernel each of its parameters once, with the register cap
+    of the group size (recorded, not run)."""
     calls = []
 
     class Recorder:
@@ -432,14 +434,14 @@ def test_launch_passes_every_kernel_argument(monkeypatch):
 
     monkeypatch.setattr(mma, "_decode_split_kernel_mma", Recorder())
     monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups, group_size: 2)
-    args = decode_inputs(seeded(), "pnmix-1", 128, 4, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
+    args = decode_inputs(seeded(), preset, 128, 4, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
     mma.mma_decode_attention(*args)
     (grid, positional, keywords), = calls
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
     options = {"num_warps", "maxnreg"}  # launch options
-    assert keywords["maxnreg"] == mma.MAX_REGISTERS
+    assert keywords["maxnreg"] == registers
     assert len(positional) + len(keywords) - len(options) == len(names)
     assert set(keywords) - options == set(names[len(positional):])
     assert positional[names.index("group_cap")] == args[5].shape[2]
-    assert keywords["D"] == 128 and keywords["G"] == 128 and keywords["BLOCK_Q"] == 8
+    assert keywords["D"] == 128 and keywords["G"] == group_size and keywords["BLOCK_Q"] == 8
