@@ -1,0 +1,166 @@
+"""Where the host time of a compiled (``mode="reduce-overhead"``) decode call goes: bf16 StaticCache
+against the PN-Mix static cache, each in a fresh process (host time drifts within one).
+
+Per cache, a tiny Llama of real attention shape (``--layers`` layers, 32 query and 8 KV heads, head
+dim 128, hidden 512, bf16) is prefilled, ``model.forward`` compiled with ``fullgraph=True,
+mode="reduce-overhead"``, and then measured over ``--calls`` synchronized calls:
+
+- ``host_ms``: median time until the call returns (the GPU is idle meanwhile);
+- ``host_ms_no_guards``: the same under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
+  (Dynamo then skips its guards: the difference is what the guards cost);
+- ``guard_ms``: the best of five rounds of the cache entry's guard check alone;
+- ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches;
+- ``top``: the functions of a cProfile of 100 calls with the largest own time.
+
+With ``--one-process ORDER`` (e.g. ``bf16,pnmix-1,bf16``), the caches are instead measured one after
+the other in this process, in that order (Dynamo reset between them), as ``bench_decode.py`` runs them.
+
+Run from the repository root on a GPU: ``python benchmarks/diagnostics/host_time_guards.py --out DIR
+[--one-process ORDER]`` (writes ``host_time_guards.json``, or ``host_time_guards_one_process_<ORDER>.json``
+with the commas as underscores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import inspect
+import io
+import json
+import pstats
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CACHES = ("bf16", "pnmix-1")
+
+
+def compiled_frame(forward):
+    """The code object Dynamo compiled for ``forward`` (the innermost wrapper with a cache entry) and
+    the function that runs it (for its closure cells, which are part of the guarded locals)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    function = getattr(forward, "__func__", forward)
+    while function is not None:
+        if _debug_get_cache_entry_list(function.__code__):
+            return function
+        function = getattr(function, "__wrapped__", None)
+    raise RuntimeError("no compiled frame found under model.forward")
+
+
+def measure(cache_name: str, layers: int, calls: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from pnmix_patch import new_cache, patch_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128)  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+    if cache_name == "bf16":
+        cache = StaticCache(config=model.config, max_cache_len=4096)
+    else:
+        patch_model(model, cache_name)
+        cache = new_cache(model, 4096, static=True)
+    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 256, (1, 1024), device="cuda"), **{name: cache})
+        step = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+
+        def call():
+            step(input_ids=token, **{name: cache})
+
+        def host_times() -> float:
+            times = []
+            for _ in range(calls):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                call()
+                times.append((time.perf_counter() - started) * 1e3)
+            torch.cuda.synchronize()
+            return statistics.median(times)
+
+        for _ in range(10):
+            call()
+        torch.cuda.synchronize()
+        host = host_times()
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            host_no_guards = host_times()
+        host_again = host_times()
+
+        function = compiled_frame(model.forward)
+        manager = _debug_get_cache_entry_list(function.__code__)[0].guard_manager
+        bound = inspect.signature(function, follow_wrapped=False).bind(model, input_ids=token, **{name: cache})
+        bound.apply_defaults()
+        frame_locals = dict(bound.arguments)
+        frame_locals.update({n: c.cell_contents for n, c in zip(function.__code__.co_freevars, function.__closure__ or ())})
+        if not manager.check(frame_locals):
+            raise RuntimeError(f"the guards fail on the rebuilt locals: {manager.check_verbose(frame_locals).verbose_code_parts}")
+        rounds = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(1000):
+                manager.check(frame_locals)
+            rounds.append((time.perf_counter() - started))
+        guard_ms = min(rounds)  # ms per check: seconds per 1000
+        verbose = manager.check_verbose(frame_locals)
+        tensor_guards = str(manager).count("TENSOR_MATCH")
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(100):
+            call()
+            torch.cuda.synchronize()
+        profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
+    top = [line for line in text.getvalue().splitlines() if line.strip()][-21:]
+    return {"cache": cache_name, "layers": layers, "host_ms": host, "host_ms_no_guards": host_no_guards,
+            "host_ms_again": host_again, "guard_ms": guard_ms, "guards": verbose.num_guards_executed,
+            "tensor_guards": tensor_guards, "top": top}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--one-process", metavar="ORDER", type=lambda text: text.split(","),
+                        help=f"caches to measure in this process, in this order, comma-separated ({', '.join(CACHES)})")
+    parser.add_argument("--child", choices=CACHES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.child, args.layers, args.calls)))
+        return
+    rows = []
+    unknown = set(args.one_process or ()) - set(CACHES)
+    if unknown:
+        parser.error(f"--one-process names {sorted(unknown)}; the caches are {', '.join(CACHES)}")
+    for cache_name in args.one_process or CACHES:
+        if args.one_process:
+            row = measure(cache_name, args.layers, args.calls)
+        else:
+            command = [sys.executable, __file__, "--child", cache_name, "--layers", str(args.layers), "--calls", str(args.calls)]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"{cache_name} failed:\n{done.stderr[-3000:]}")
+            row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"{cache_name}: host {row['host_ms']:.3f} ms (again {row['host_ms_again']:.3f}), without guards "
+              f"{row['host_ms_no_guards']:.3f}, guard check {row['guard_ms']:.3f} ms ({row['guards']} guards, "
+              f"{row['tensor_guards']} tensor matches)", flush=True)  # fmt: skip
+        print("\n".join(row["top"]), flush=True)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    name = f"host_time_guards_one_process_{'_'.join(args.one_process)}.json" if args.one_process else "host_time_guards.json"
+    report = {"date": time.strftime("%Y-%m-%d"), "one_process_order": args.one_process, "rows": rows}
+    (Path(args.out) / name).write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
