@@ -410,7 +410,7 @@ def sweep_occupancy(device) -> list[dict]:
                         continue
                     timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
-                    flag = splits == default and registers == register_cap(32 * args[5].shape[4])
+                    flag = splits == default and registers == register_cap(32 * args[5].shape[4], Q_HEADS // KV_HEADS)
                     rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,
                                  "programs_per_sm_assumed": per_sm, "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
                     print(f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "

@@ -18,7 +18,9 @@ with the ``cuobjdump`` that ships with Triton:
   cycle).
 
 Then the same for the Gluon kernel (``kernels/decode_attention_mma.py``, the one CUDA runs for
-these shapes), uncapped and at 128 registers (its launch default: 4 programs per multiprocessor):
+these shapes), uncapped and at 128 registers (its launch default, 4 programs per multiprocessor,
+except for pnmix-2's 64-token groups, which launch at 96: ``--gluon-registers none 128 96``, see
+``register_cap``):
 its packed loop covers one key group (G tokens in unrolled steps of `step_tokens`: one for pnmix-1); its counts are
 given per 32 tokens to compare. Its pointer and stride arguments are marked divisible by 16, as
 a launch on these shapes specializes them; the Triton kernel is compiled without that hint, as

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Literal
 
 import torch
 import triton
@@ -86,7 +87,7 @@ MAX_REGISTERS = 128
 """Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`);
 :data:`MAX_REGISTERS_64` for 64-token groups (:func:`register_cap`)."""
 MAX_REGISTERS_64 = 96
-"""Registers per thread for 64-token key groups (pnmix-2): five programs per multiprocessor, no spills."""
+"""Registers per thread for 64-token key groups (pnmix-2) at up to 4 query heads per KV head: five programs per multiprocessor."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
@@ -151,20 +152,26 @@ def step_tokens(group_size: int, value_bits: int) -> int:
     return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
 
 
-def register_cap(group_size: int) -> int:
-    """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens: 96 for 64
-    (a step is then 64 tokens, its state smaller: five programs per multiprocessor fit, and the
-    compiled kernel does not spill), else 128 (four programs).
+def register_cap(group_size: int, ratio: int) -> int:
+    """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens and
+    ``ratio`` query heads per KV head: 96 for 64-token groups with at most 4 heads (paired columns),
+    five programs per multiprocessor; else 128, four programs. The rule is what was measured: 64-token
+    groups with 2-bit values at 4 heads (a step of 64 tokens holds half the state of a 128-token one).
+    At 96 registers, offline (head dim 128, 4 heads; Triton 3.6 and 3.7), that build spills only outside
+    its packed loop, in the sink and residual loops (12 spill stores and 12 loads with Triton 3.6); with
+    8 or 16 heads it spills much more (Triton 3.7: 39 and 342 spill instructions), hence the bound on
+    ``ratio``.
 
-    Measured on an H200 (Triton 3.6, bf16, split counts of 4 slots per multiprocessor,
-    ``benchmarks/diagnostics/kernel_ab.py --variants``, ``benchmarks/results/kernel_ab_registers96_pnmix2.json``):
-    pnmix-2 at 96 against 128 registers, batch 1 / 32K 24.6 vs 24.8 us, batch 8 / 16K 80.0 vs 81.8,
-    batch 32 / 16K 284.5 vs 292.3, batch 32 / 32K 551.2 vs 567.0, batch 64 / 16K 554.8 vs 569.5. For
-    128-token groups 96 registers were slower at every shape tried or no faster (pnmix-1 batch 32 / 32K
-    399.2 vs 390.3 us, ``kernel_ab_registers96_adjacent.json``; kivi-2 batch 32 / 32K 405.3 vs 406.3,
-    batch 1 / 32K 26.1 vs 20.9, 5 slots, ``kernel_ab_registers96_kivi2.json``).
+    Measured on an H200 (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``): pnmix-2
+    at 96 against 128 registers, splits filling 4 slots per multiprocessor in both
+    (``benchmarks/results/kernel_ab_registers96_pnmix2.json``): batch 1 / 32K 24.6 vs 24.8 us, batch
+    8 / 16K 80.0 vs 81.8, batch 32 / 16K 284.5 vs 292.3, batch 32 / 32K 551.2 vs 567.0, batch 64 / 16K
+    554.8 vs 569.5. For 128-token groups, 96 registers with splits filling 5 slots were slower or no
+    faster than 128 with 4 (96 with 4 slots was not timed there): pnmix-1 batch 32 / 32K 399.2 vs 390.3
+    us (``kernel_ab_registers96_adjacent.json``); kivi-2 batch 32 / 32K 405.3 vs 406.3, batch 1 / 32K
+    26.1 vs 20.9 (``kernel_ab_registers96_kivi2.json``).
     """
-    return MAX_REGISTERS_64 if group_size == 64 else MAX_REGISTERS
+    return MAX_REGISTERS_64 if group_size == 64 and ratio <= 4 else MAX_REGISTERS
 
 
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
@@ -825,7 +832,7 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
     ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers
     (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots: filling 5,
-    pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.995x the time at batch 8 to 64
+    pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.996x the time at batch 8 to 64
     (541.3 against 551.2 us at batch 32 / 32K; ``kernel_ab_registers96_pnmix2.json``). Measured on
     an H200 with paired columns side by side (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
     ``benchmarks/results/kernel_ab_adjacent_pairs.json``; us at 4 slots, then 2 and 3): pnmix-1 batch
@@ -881,7 +888,7 @@ def mma_decode_attention(
     value_codes, value_scale, value_zero, num_groups,
     residual_keys, residual_values, residual_len,
     scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    max_registers: int | None | str = "auto", stages: int = STAGES,
+    max_registers: int | Literal["auto"] | None = "auto", stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
@@ -895,7 +902,10 @@ def mma_decode_attention(
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
-    max_registers = register_cap(32 * words) if max_registers == "auto" else max_registers
+    if isinstance(max_registers, str):
+        if max_registers != "auto":
+            raise ValueError(f"max_registers must be an int, None or 'auto'; got {max_registers!r}")
+        max_registers = register_cap(32 * words, q_heads // heads)
     constants = dict(
         kernel_constants(
             head_dim, q_heads // heads, 32 * words, c_high,

@@ -5,9 +5,11 @@ Per cache, a tiny Llama of real attention shape (``--layers`` layers, 32 query a
 dim 128, hidden 512, bf16) is prefilled, ``model.forward`` compiled with ``fullgraph=True,
 mode="reduce-overhead"``, and then measured over ``--calls`` synchronized calls:
 
-- ``host_ms``: median time until the call returns (the GPU is idle meanwhile);
+- ``host_ms``: median time until the call returns (the GPU is idle meanwhile), and ``host_ms_again``
+  the same measured once more at the end (how much it drifts within the process);
 - ``host_ms_no_guards``: the same under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
-  (Dynamo then skips its guards: the difference is what the guards cost);
+  (Dynamo then skips most guards; on the H200 this made bf16's call faster and PN-Mix's slower, so
+  the difference is not simply the guards' cost);
 - ``guard_ms``: the best of five rounds of the cache entry's guard check alone;
 - ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches;
 - ``top``: the functions of a cProfile of 100 calls with the largest own time.
@@ -38,8 +40,8 @@ CACHES = ("bf16", "pnmix-1")
 
 
 def compiled_frame(forward):
-    """The code object Dynamo compiled for ``forward`` (the innermost wrapper with a cache entry) and
-    the function that runs it (for its closure cells, which are part of the guarded locals)."""
+    """The function whose code Dynamo compiled for ``forward``: the outermost of its ``__wrapped__``
+    chain with a cache entry (its closure cells are part of the guarded locals)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     function = getattr(forward, "__func__", forward)
@@ -157,8 +159,15 @@ def main() -> None:
               f"{row['tensor_guards']} tensor matches)", flush=True)  # fmt: skip
         print("\n".join(row["top"]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    import torch
+    import transformers
+
     name = f"host_time_guards_one_process_{'_'.join(args.one_process)}.json" if args.one_process else "host_time_guards.json"
-    report = {"date": time.strftime("%Y-%m-%d"), "one_process_order": args.one_process, "rows": rows}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "transformers": transformers.__version__,
+              "command": " ".join(["python benchmarks/diagnostics/host_time_guards.py"] + sys.argv[1:]),
+              "one_process_order": args.one_process, "rows": rows}  # fmt: skip
     (Path(args.out) / name).write_text(json.dumps(report, indent=2))
 
 

@@ -40,11 +40,21 @@ ERROR_SHAPES = [(8, 4096)]
 # kernel that build took 790 instructions per group, 4 of them spills, against 779 and none at 128 (python
 # benchmarks/kernel_sass.py --presets pnmix-1 --gluon-registers 128 96, Triton 3.6) and was slower at every
 # shape (benchmarks/results/kernel_ab_registers96.json). The thirteenth session's kernel at 96 registers: 663
-# instructions per group and no spills, against 657 at 128 (same command); not timed.
+# instructions per group and no spills in the packed loop, against 657 at 128 (same command); timed in the
+# fourteenth session (kernel_ab_registers96_adjacent.json, when VARIANT_SHAPES had pnmix-1's shapes and
+# pnmix-2 at batch 32 / 32K only; kernel_ab_registers96_kivi2.json, kernel_ab_registers96_pnmix2.json).
 VARIANTS = [(3, None, 3), (2, None, 3), (2, 128, 4), (3, 128, 4), (2, 160, 3), (2, 96, 5)]
 VARIANT_SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 32768), (580, 8192)],
                   "pnmix-2": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384)],
                   "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
+
+
+def launch_variant(text: str) -> tuple[int, int | None, int]:
+    """``STAGES,REGISTERS,SLOTS`` (REGISTERS may be ``none``: the compiler's choice) as a VARIANTS entry."""
+    parts = text.split(",")
+    if len(parts) != 3 or not (parts[0].isdigit() and parts[2].isdigit() and (parts[1].isdigit() or parts[1] == "none")):
+        raise argparse.ArgumentTypeError(f"a launch variant is STAGES,REGISTERS,SLOTS (REGISTERS a number or none); got {text!r}")
+    return int(parts[0]), None if parts[1] == "none" else int(parts[1]), int(parts[2])
 
 
 def load_baseline(path: str):
@@ -65,10 +75,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
-    parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES), default=list(VARIANT_SHAPES))
-    parser.add_argument("--variant-configs", nargs="+", metavar="STAGES,REGISTERS,SLOTS",
-                        help="launch variants to time instead of VARIANTS (REGISTERS: a number or none)")
+    parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES),
+                        help="with --variants: the presets whose VARIANT_SHAPES to time (default: all)")
+    parser.add_argument("--variant-configs", nargs="+", type=launch_variant, metavar="STAGES,REGISTERS,SLOTS",
+                        help="with --variants: launch variants to time instead of VARIANTS (REGISTERS: a number or none)")
     args = parser.parse_args()
+    if not args.variants and (args.variant_presets or args.variant_configs):
+        parser.error("--variant-presets and --variant-configs need --variants")
     baseline = load_baseline(args.baseline)
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -105,9 +118,8 @@ def main() -> None:
                   f"{row['current_ms'] * 1e3:8.1f} us ({row['speedup']:.2f}x)   current at {slots}", flush=True)
             del cache
     variants = []
-    configs = VARIANTS if args.variant_configs is None else [
-        tuple(None if part == "none" else int(part) for part in config.split(",")) for config in args.variant_configs]
-    for preset in args.variant_presets if args.variants else ():
+    configs = args.variant_configs or VARIANTS
+    for preset in (args.variant_presets or list(VARIANT_SHAPES)) if args.variants else ():
         for batch, tokens in VARIANT_SHAPES[preset]:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             groups = cache[5].shape[2]

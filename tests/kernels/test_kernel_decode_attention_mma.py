@@ -420,10 +420,10 @@ def test_non_finite_group_gives_nan_on_cuda():
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("preset, group_size, registers", [("pnmix-1", 128, 128), ("pnmix-2", 64, 96)])
-def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, registers):
+@pytest.mark.parametrize("preset, group_size, ratio, registers", [("pnmix-1", 128, 4, 128), ("pnmix-2", 64, 4, 96), ("pnmix-2", 64, 7, 128)])
+def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ratio, registers):
     """On CPU: the launcher hands the Gluon kernel each of its parameters once, with the register cap
-    of the group size (recorded, not run)."""
+    of the group size and head ratio (recorded, not run)."""
     calls = []
 
     class Recorder:
@@ -434,7 +434,7 @@ def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, re
 
     monkeypatch.setattr(mma, "_decode_split_kernel_mma", Recorder())
     monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups, group_size: 2)
-    args = decode_inputs(seeded(), preset, 128, 4, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
+    args = decode_inputs(seeded(), preset, 128, ratio, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
     mma.mma_decode_attention(*args)
     (grid, positional, keywords), = calls
     assert grid == (2 * 2, 2)
@@ -445,3 +445,5 @@ def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, re
     assert set(keywords) - options == set(names[len(positional):])
     assert positional[names.index("group_cap")] == args[5].shape[2]
     assert keywords["D"] == 128 and keywords["G"] == group_size and keywords["BLOCK_Q"] == 8
+    with pytest.raises(ValueError, match="max_registers must be an int, None or 'auto'; got '96'"):
+        mma.mma_decode_attention(*args, max_registers="96")
