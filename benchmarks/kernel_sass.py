@@ -8,7 +8,8 @@ options (4 warps, ``NUM_STAGES`` stages, at most ``MAX_REGISTERS`` registers per
 as Triton would on the GPU, then reads the machine code
 with the ``cuobjdump`` that ships with Triton:
 
-- registers per thread (at most 255, or the cap; 255 means two 4-warp programs per multiprocessor, 128 four);
+- registers per thread (at most 255, or the cap; 255 means two 4-warp programs per multiprocessor, 128 four),
+  and the spill loads and stores (``LDL``, ``STL``) of the whole kernel;
 - the kernel's loops: the backward branches of the SASS, in program order: sinks, packed
   groups, residual (the dense loops of sinks and residual step 64 tokens; the packed loop
   32 tokens, one bit-plane word per channel);
@@ -137,7 +138,8 @@ def analyze(cubin: bytes, tokens_per_iteration: int = 32) -> dict:
         if opcode == "BRA" and target and int(target.group(1), 16) < address:
             start = int(target.group(1), 16)
             loops.append([op for a, op, _ in instructions if start <= a <= address])
-    result = {"registers": registers, "loop_sizes": [len(body) for body in loops]}
+    spills = sum(1 for _, opcode, _ in instructions if opcode in CLASSES["local memory (spills)"])
+    result = {"registers": registers, "loop_sizes": [len(body) for body in loops], "spill_instructions": spills}
     if len(loops) == 3:  # sinks, packed groups, residual
         body = Counter(loops[1])
         per_32 = 32 / tokens_per_iteration
@@ -182,7 +184,8 @@ def main() -> None:
         else:
             result = analyze(compile_mma_kernel(PRESETS[name], registers), PRESETS[name].key_group_size)
             report["gluon_kernels"][f"{name}/max_registers={registers}"] = result
-        line = f"{kernel:6s} {name:8s} registers {result['registers']:3d}  loops {result['loop_sizes']}"
+        line = (f"{kernel:6s} {name:8s} registers {result['registers']:3d}  loops {result['loop_sizes']}  "
+                f"spill loads and stores in the whole kernel {result['spill_instructions']}")
         if "packed_loop_classes" in result:
             line += (f"  packed loop: {result['packed_loop_instructions_per_warp']:.0f} instructions per warp per 32 tokens = "
                      f"{result['packed_loop_instructions_per_token_and_kv_head']:.0f} per token and KV head; "

@@ -152,15 +152,20 @@ def step_tokens(group_size: int, value_bits: int) -> int:
     return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
 
 
+def paired_columns(ratio: int) -> bool:
+    """Whether the MMA's 8 columns hold each of the ``ratio`` query heads twice, its high and low 8-bit
+    parts side by side (at most 4 heads per KV head; see the kernel)."""
+    return ratio <= 4
+
+
 def register_cap(group_size: int, ratio: int) -> int:
     """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens and
     ``ratio`` query heads per KV head: 96 for 64-token groups with at most 4 heads (paired columns),
     five programs per multiprocessor; else 128, four programs. The rule is what was measured: 64-token
     groups with 2-bit values at 4 heads (a step of 64 tokens holds half the state of a 128-token one).
-    At 96 registers, offline (head dim 128, 4 heads; Triton 3.6 and 3.7), that build spills only outside
-    its packed loop, in the sink and residual loops (12 spill stores and 12 loads with Triton 3.6); with
-    8 or 16 heads it spills much more (Triton 3.7: 39 and 342 spill instructions), hence the bound on
-    ``ratio``.
+    At 96 registers that build spills only outside its packed loop, in the sink and residual loops (24
+    spill loads and stores; ``benchmarks/kernel_sass.py --gluon-registers 128 96``, Triton 3.6, head dim
+    128, 4 heads); other head counts were not timed at 96, hence the bound on ``ratio``.
 
     Measured on an H200 (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``): pnmix-2
     at 96 against 128 registers, splits filling 4 slots per multiprocessor in both
@@ -171,7 +176,7 @@ def register_cap(group_size: int, ratio: int) -> int:
     us (``kernel_ab_registers96_adjacent.json``); kivi-2 batch 32 / 32K 405.3 vs 406.3, batch 1 / 32K
     26.1 vs 20.9 (``kernel_ab_registers96_kivi2.json``).
     """
-    return MAX_REGISTERS_64 if group_size == 64 and ratio <= 4 else MAX_REGISTERS
+    return MAX_REGISTERS_64 if group_size == 64 and paired_columns(ratio) else MAX_REGISTERS
 
 
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
@@ -852,9 +857,9 @@ def kernel_constants(
     ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
     high_width = high_tile_width(head_dim, num_high)
     block_q = max(8, triton.next_power_of_2(ratio))
-    query_rows = block_q // 2 if ratio <= block_q // 2 else block_q  # paired columns (see the kernel) up to 4 heads
+    paired = paired_columns(ratio)
+    query_rows = block_q // 2 if paired else block_q
     tokens = step_tokens(group_size, bits_value)
-    paired = query_rows < block_q
     kernel_layouts = layouts(head_dim, high_width, query_rows, tokens)
     mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
@@ -895,8 +900,7 @@ def mma_decode_attention(
 
     The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
     ``max_registers`` (per thread, Triton's ``maxnreg``; ``"auto"``: :func:`register_cap`; None: the
-    compiler's choice) and ``stages``
-    (shared buffers of key groups) are for benchmarks that sweep them.
+    compiler's choice) and ``stages`` (shared buffers of key groups) are for benchmarks that sweep them.
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]

@@ -14,12 +14,14 @@ mode="reduce-overhead"``, and then measured over ``--calls`` synchronized calls:
 - ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches;
 - ``top``: the functions of a cProfile of 100 calls with the largest own time.
 
-With ``--one-process ORDER`` (e.g. ``bf16,pnmix-1,bf16``), the caches are instead measured one after
+With ``--device cpu`` (no GPU needed), only the guards: their count and the check's time, float32,
+``backend="eager"``. With ``--one-process ORDER`` (e.g. ``bf16,pnmix-1,bf16``), the caches are instead measured one after
 the other in this process, in that order (Dynamo reset between them), as ``bench_decode.py`` runs them.
 
 Run from the repository root on a GPU: ``python benchmarks/diagnostics/host_time_guards.py --out DIR
-[--one-process ORDER]`` (writes ``host_time_guards.json``, or ``host_time_guards_one_process_<ORDER>.json``
-with the commas as underscores).
+[--one-process ORDER] [--device cpu]`` (writes ``host_time_guards.json``, or
+``host_time_guards_one_process_<ORDER>.json`` with the commas as underscores; ``_cpu`` before the
+``.json`` with ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -52,31 +54,63 @@ def compiled_frame(forward):
     raise RuntimeError("no compiled frame found under model.forward")
 
 
-def measure(cache_name: str, layers: int, calls: int) -> dict:
+def guard_check(model, token, name: str, cache) -> dict:
+    """Time the guard check of ``model.forward``'s compiled frame alone on the call's arguments (best of
+    five rounds of 1,000), and count its guards and tensor matches."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    function = compiled_frame(model.forward)
+    manager = _debug_get_cache_entry_list(function.__code__)[0].guard_manager
+    bound = inspect.signature(function, follow_wrapped=False).bind(model, input_ids=token, **{name: cache})
+    bound.apply_defaults()
+    frame_locals = dict(bound.arguments)
+    frame_locals.update({n: c.cell_contents for n, c in zip(function.__code__.co_freevars, function.__closure__ or ())})
+    if not manager.check(frame_locals):
+        raise RuntimeError(f"the guards fail on the rebuilt locals: {manager.check_verbose(frame_locals).verbose_code_parts}")
+    rounds = []
+    for _ in range(5):
+        started = time.perf_counter()
+        for _ in range(1000):
+            manager.check(frame_locals)
+        rounds.append(time.perf_counter() - started)
+    return {"guard_ms": min(rounds),  # ms per check: seconds per 1000
+            "guards": manager.check_verbose(frame_locals).num_guards_executed,
+            "tensor_guards": str(manager).count("TENSOR_MATCH")}  # fmt: skip
+
+
+def measure(cache_name: str, layers: int, calls: int, device: str) -> dict:
+    """One cache's figures (see the module docstring); on ``"cpu"`` only the guards (float32,
+    ``backend="eager"``: CUDA graphs and host times are CUDA-only)."""
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from pnmix_patch import new_cache, patch_model
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128)  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    on_cuda = device == "cuda"
+    model = AutoModelForCausalLM.from_config(config).to(device, torch.bfloat16 if on_cuda else torch.float32).eval()
     name = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
     if cache_name == "bf16":
         cache = StaticCache(config=model.config, max_cache_len=4096)
     else:
         patch_model(model, cache_name)
         cache = new_cache(model, 4096, static=True)
-    token = torch.zeros(1, 1, dtype=torch.long, device="cuda")
+    token = torch.zeros(1, 1, dtype=torch.long, device=device)
+    row = {"cache": cache_name, "layers": layers, "device": device}
     torch._dynamo.reset()
     with torch.no_grad():
-        model(input_ids=torch.randint(0, 256, (1, 1024), device="cuda"), **{name: cache})
-        step = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        model(input_ids=torch.randint(0, 256, (1, 1024), device=device), **{name: cache})
+        options = {"mode": "reduce-overhead"} if on_cuda else {"backend": "eager"}
+        step = torch.compile(model.forward, fullgraph=True, **options)
 
         def call():
             step(input_ids=token, **{name: cache})
+
+        if not on_cuda:
+            call()
+            return {**row, **guard_check(model, token, name, cache)}
 
         def host_times() -> float:
             times = []
@@ -91,28 +125,11 @@ def measure(cache_name: str, layers: int, calls: int) -> dict:
         for _ in range(10):
             call()
         torch.cuda.synchronize()
-        host = host_times()
+        row["host_ms"] = host_times()
         with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            host_no_guards = host_times()
-        host_again = host_times()
-
-        function = compiled_frame(model.forward)
-        manager = _debug_get_cache_entry_list(function.__code__)[0].guard_manager
-        bound = inspect.signature(function, follow_wrapped=False).bind(model, input_ids=token, **{name: cache})
-        bound.apply_defaults()
-        frame_locals = dict(bound.arguments)
-        frame_locals.update({n: c.cell_contents for n, c in zip(function.__code__.co_freevars, function.__closure__ or ())})
-        if not manager.check(frame_locals):
-            raise RuntimeError(f"the guards fail on the rebuilt locals: {manager.check_verbose(frame_locals).verbose_code_parts}")
-        rounds = []
-        for _ in range(5):
-            started = time.perf_counter()
-            for _ in range(1000):
-                manager.check(frame_locals)
-            rounds.append((time.perf_counter() - started))
-        guard_ms = min(rounds)  # ms per check: seconds per 1000
-        verbose = manager.check_verbose(frame_locals)
-        tensor_guards = str(manager).count("TENSOR_MATCH")
+            row["host_ms_no_guards"] = host_times()
+        row["host_ms_again"] = host_times()
+        row.update(guard_check(model, token, name, cache))
 
         profiler = cProfile.Profile()
         profiler.enable()
@@ -122,10 +139,8 @@ def measure(cache_name: str, layers: int, calls: int) -> dict:
         profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(20)
-    top = [line for line in text.getvalue().splitlines() if line.strip()][-21:]
-    return {"cache": cache_name, "layers": layers, "host_ms": host, "host_ms_no_guards": host_no_guards,
-            "host_ms_again": host_again, "guard_ms": guard_ms, "guards": verbose.num_guards_executed,
-            "tensor_guards": tensor_guards, "top": top}  # fmt: skip
+    row["top"] = [line for line in text.getvalue().splitlines() if line.strip()][-21:]
+    return row
 
 
 def main() -> None:
@@ -135,10 +150,12 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--one-process", metavar="ORDER", type=lambda text: text.split(","),
                         help=f"caches to measure in this process, in this order, comma-separated ({', '.join(CACHES)})")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: only the guards (their count and the check's time), float32, backend='eager'")
     parser.add_argument("--child", choices=CACHES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(measure(args.child, args.layers, args.calls)))
+        print(json.dumps(measure(args.child, args.layers, args.calls, args.device)))
         return
     rows = []
     unknown = set(args.one_process or ()) - set(CACHES)
@@ -146,25 +163,31 @@ def main() -> None:
         parser.error(f"--one-process names {sorted(unknown)}; the caches are {', '.join(CACHES)}")
     for cache_name in args.one_process or CACHES:
         if args.one_process:
-            row = measure(cache_name, args.layers, args.calls)
+            row = measure(cache_name, args.layers, args.calls, args.device)
         else:
-            command = [sys.executable, __file__, "--child", cache_name, "--layers", str(args.layers), "--calls", str(args.calls)]
+            command = [sys.executable, __file__, "--child", cache_name, "--layers", str(args.layers), "--calls", str(args.calls),
+                       "--device", args.device]
             done = subprocess.run(command, capture_output=True, text=True)
             if done.returncode != 0:
                 raise RuntimeError(f"{cache_name} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
+        guards = f"guard check {row['guard_ms']:.3f} ms ({row['guards']} guards, {row['tensor_guards']} tensor matches)"
+        if args.device == "cpu":
+            print(f"{cache_name}: {guards}", flush=True)
+            continue
         print(f"{cache_name}: host {row['host_ms']:.3f} ms (again {row['host_ms_again']:.3f}), without guards "
-              f"{row['host_ms_no_guards']:.3f}, guard check {row['guard_ms']:.3f} ms ({row['guards']} guards, "
-              f"{row['tensor_guards']} tensor matches)", flush=True)  # fmt: skip
+              f"{row['host_ms_no_guards']:.3f}, {guards}", flush=True)  # fmt: skip
         print("\n".join(row["top"]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     import torch
     import transformers
 
-    name = f"host_time_guards_one_process_{'_'.join(args.one_process)}.json" if args.one_process else "host_time_guards.json"
+    name = f"host_time_guards_one_process_{'_'.join(args.one_process)}" if args.one_process else "host_time_guards"
+    name += "_cpu.json" if args.device == "cpu" else ".json"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit,
+              "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
               "torch": torch.__version__, "transformers": transformers.__version__,
               "command": " ".join(["python benchmarks/diagnostics/host_time_guards.py"] + sys.argv[1:]),
               "one_process_order": args.one_process, "rows": rows}  # fmt: skip
