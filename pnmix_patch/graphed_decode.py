@@ -2,9 +2,9 @@
 
 ``torch.compile(model.forward, mode="reduce-overhead")`` replays a CUDA graph too, but every
 call first runs Dynamo's guards, gathers the graph's inputs (every weight and every cache
-tensor, ~1,000 of them for a 36-layer model with a PN-Mix static cache) and lets the CUDA-graph
-tree check their addresses and bump the version counters of the mutated ones. At batch 1 that
-host work (1-2 ms per call measured on an H200 host) is as long as a third of the GPU's step,
+tensor, hundreds of them for an 8B model) and lets the CUDA-graph tree check their addresses
+and bump the version counters of the mutated ones. At batch 1 that host work (1-1.7 ms per
+call measured on an H200 host, bf16 and PN-Mix alike) is as long as a fifth of the GPU's step,
 and a loop that reads each token before feeding it back waits for it on every step.
 
 :class:`GraphedDecodeStep` is the gpt-fast pattern without that layer: the step is compiled

@@ -14,7 +14,12 @@ preallocated for ``max_cache_len`` positions when the first chunk arrives:
   as device tensors.
 
 Every tensor is marked as a static address for ``torch.compile`` and is only ever
-written in place, so CUDA graphs replay on the same memory.
+written in place, so CUDA graphs replay on the same memory. In a :class:`PNMixStaticCache`
+each field is one tensor stacked over the layers (a layer's tensors are views of its slot)
+and the decode step indexes it inside the graph: a compiled call takes 18 cache tensors
+instead of 18 per layer, each of which costs host time on every call (Dynamo's guards, the
+gathering of the graph's inputs, the version count of a mutated input, the CUDA-graph
+tree's address check).
 
 Prefill (any chunk of more than one token, and the first chunk) runs the dynamic
 cache's code, host synchronizations included: pair selection and the first packing
@@ -41,6 +46,39 @@ from .kernels.decode_attention import decode_attention
 from .quantize import channel_order
 
 _STATIC_STATE = (*_STATE, "order", "overflowed", "arrivals")
+_DECODE_STATE = (
+    "order", "sink_keys", "sink_values", "sink_len", "residual_keys", "residual_values", "residual_len",
+    "key_codes_high", "key_codes_low", "key_scale", "key_zero",
+    "value_codes", "value_scale", "value_zero", "num_groups", "overflowed", "arrivals", "cumulative_length",
+)  # fmt: skip
+
+
+class _LayerStack:
+    """The storage of one static cache's layers: each field one tensor ``[layers, *shape]``.
+
+    :meth:`adopt` is called by each layer once its own tensors exist. Layer 0's call (or the first)
+    allocates the stacked tensors; every call copies the layer's tensors into its slot. A layer whose
+    shapes, dtypes or device differ from the stack's keeps its own tensors (its slot stays unused)."""
+
+    def __init__(self, num_layers: int):
+        self.num_layers = num_layers
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def adopt(self, index: int, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Copy ``own`` into slot ``index``; returns the stacked tensors it went into (the layer keeps
+        this dict: a later allocation by layer 0 does not change what the layer reads), or None."""
+        if index == 0 or not self.tensors:
+            self.tensors = {name: t.new_zeros((self.num_layers, *t.shape)) for name, t in own.items()}
+            if not torch.compiler.is_compiling():
+                for tensor in self.tensors.values():
+                    torch._dynamo.mark_static_address(tensor)
+        stacks = self.tensors
+        if any(name not in stacks or (stacks[name].shape[1:], stacks[name].dtype, stacks[name].device) != (t.shape, t.dtype, t.device)
+               for name, t in own.items()):  # fmt: skip
+            return None
+        for name, tensor in own.items():
+            stacks[name][index].copy_(tensor)
+        return stacks
 
 
 class PNMixStaticLayer(PNMixLayer):
@@ -59,6 +97,10 @@ class PNMixStaticLayer(PNMixLayer):
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         super().__init__(config, pairing, max_cache_len)
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill
+        self.stack: _LayerStack | None = None  # set by PNMixStaticCache
+        self.stack_index = 0
+        self.stacked = False
+        self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
 
     @property
     def seen_tokens(self) -> int:
@@ -85,15 +127,30 @@ class PNMixStaticLayer(PNMixLayer):
         self.overflowed = torch.zeros(self.batch_size, dtype=torch.bool, device=self.device)
         self.arrivals = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)  # decode_append's counter
         self.cumulative_length = self.cumulative_length.to(self.device)
+        own = {name: getattr(self, name) for name in (*_STATIC_STATE, "cumulative_length")}
+        self._stacks = self.stack.adopt(self.stack_index, own) if self.stack is not None else None
+        self.stacked = self._stacks is not None
+        for name in own if self.stacked else ():
+            setattr(self, name, self._stacks[name][self.stack_index])
         self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
-        if not torch.compiler.is_compiling():
-            for tensor in (*self._storage.values(), self.cumulative_length):
+        if not self.stacked and not torch.compiler.is_compiling():
+            for tensor in own.values():
                 torch._dynamo.mark_static_address(tensor)
+
+    def _decode_state(self) -> dict[str, torch.Tensor]:
+        """The tensors a decode step reads: slots of the stacked tensors, indexed inside the graph
+        (so its inputs are the stacked tensors), or the layer's own."""
+        if self.stacked:
+            return {name: self._stacks[name][self.stack_index] for name in _DECODE_STATE}
+        return {name: getattr(self, name) for name in _DECODE_STATE}
 
     # ------------------------------------------------------------ transformers API
     def get_seq_length(self) -> torch.Tensor | int:
         """Positions consumed, as a device tensor (no host sync), or 0 before the first token."""
-        return self.cumulative_length if self.is_initialized else 0
+        if not self.is_initialized:
+            return 0
+        # Stacked: indexed inside the graph too, or the layer's view would be a second input aliasing a mutated one.
+        return self._stacks["cumulative_length"][self.stack_index] if self.stacked else self.cumulative_length
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.max_cache_len, 0  # fixed, so the mask never changes shape
@@ -150,21 +207,21 @@ class PNMixStaticLayer(PNMixLayer):
         return output
 
     def _decode_step(self, query, key, value, scaling) -> torch.Tensor:
+        s = self._decode_state()
+        packed = [s[name] for name in ("key_codes_high", "key_codes_low", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")]
         decode_append(
-            key[:, :, 0], value[:, :, 0], self.order,
-            self.sink_keys, self.sink_values, self.sink_len,
-            self.residual_keys, self.residual_values, self.residual_len,
-            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
-            self.value_codes, self.value_scale, self.value_zero, self.num_groups, self.overflowed, self.arrivals,
+            key[:, :, 0], value[:, :, 0], s["order"],
+            s["sink_keys"], s["sink_values"], s["sink_len"],
+            s["residual_keys"], s["residual_values"], s["residual_len"],
+            *packed, s["num_groups"], s["overflowed"], s["arrivals"],
             self.config.midpoint_correction,
         )  # fmt: skip
-        self.cumulative_length.add_(1)
+        s["cumulative_length"].add_(1)
         output = decode_attention(
-            query[:, :, 0], self.order,
-            self.sink_keys, self.sink_values, self.sink_len,
-            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
-            self.value_codes, self.value_scale, self.value_zero, self.num_groups,
-            self.residual_keys, self.residual_values, self.residual_len, scaling, self.overflowed,
+            query[:, :, 0], s["order"],
+            s["sink_keys"], s["sink_values"], s["sink_len"],
+            *packed, s["num_groups"],
+            s["residual_keys"], s["residual_values"], s["residual_len"], scaling, s["overflowed"],
         )  # fmt: skip
         return output.unsqueeze(2)
 
@@ -195,3 +252,6 @@ class PNMixStaticCache(PNMixCache):
         if max_cache_len is None:
             raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
         super().__init__(model_config, config, pairing, max_cache_len)
+        stack = _LayerStack(len(self.layers))
+        for index, layer in enumerate(self.layers):
+            layer.stack, layer.stack_index = stack, index

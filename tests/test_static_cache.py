@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 from pnmix_patch import PNMixLayer, PNMixStaticCache, PNMixStaticLayer, new_cache, patch_model
+from pnmix_patch.static_cache import _DECODE_STATE
 
 CONFIGS = {
     "small": SMALL,
@@ -158,3 +159,37 @@ def test_memory_report_counts_the_preallocated_storage():
 def test_per_group_reselection_is_refused():
     with pytest.raises(ValueError, match="reselection='per_group'"):
         PNMixStaticLayer(SMALL.replace(reselection="per_group"), max_cache_len=100)
+
+
+def test_fields_are_stacked_over_layers_and_the_compiled_step_takes_the_stacks():
+    """Each field is one tensor over the layers (a layer holds views of its slot), and the compiled
+    decode step's graph takes the stacked tensors of the fields it reads, not one per layer."""
+    model = patch_model(tiny_model("llama"), SMALL)
+    cache = new_cache(model, 96, static=True)
+    prompt = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        token = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+    stacks = cache.layers[0].stack.tensors
+    assert len(cache.layers) > 1 and all(layer.stacked and layer._stacks is stacks for layer in cache.layers)
+    for name, stacked in stacks.items():
+        assert stacked.shape[0] == len(cache.layers)
+        assert [getattr(layer, name).data_ptr() for layer in cache.layers] == [slot.data_ptr() for slot in stacked]
+    inputs = []
+
+    def recording_backend(graph, example_inputs):
+        inputs.extend(example_inputs)
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model.forward, fullgraph=True, backend=recording_backend)(input_ids=token, **{CACHE_KWARG: cache})
+    by_storage = {tensor.untyped_storage().data_ptr(): name for name, tensor in stacks.items()}
+    cache_inputs = [t for t in inputs if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in by_storage]
+    assert sorted(by_storage[t.untyped_storage().data_ptr()] for t in cache_inputs) == sorted(_DECODE_STATE)
+    assert all(t.shape == stacks[by_storage[t.untyped_storage().data_ptr()]].shape for t in cache_inputs)
+    cache.reset()  # an emptied cache meets a new batch size: every layer adopts into one new stack
+    with torch.no_grad():
+        model(input_ids=prompt[:1], **{CACHE_KWARG: cache})
+    restacked = cache.layers[0]._stacks
+    assert restacked is not stacks and restacked["sink_keys"].shape[1] == 1
+    assert all(layer.stacked and layer._stacks is restacked for layer in cache.layers)
