@@ -125,8 +125,15 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
     state = getattr(model, _STATE_ATTRIBUTE, None)
     if state is None:
         raise ValueError("the model is not patched: call pnmix_patch.patch_model(model) first")
-    cache_class = PNMixStaticCache if static else PNMixCache
-    return cache_class(model.config, state["config"], state["adapter"].pairing, max_cache_len)
+    if static:
+        return PNMixStaticCache(model.config, state["config"], state["adapter"].pairing, max_cache_len, _layer_devices(model))
+    return PNMixCache(model.config, state["config"], state["adapter"].pairing, max_cache_len)
+
+
+def _layer_devices(model: torch.nn.Module) -> list[torch.device] | None:
+    """The device of each decoder layer's first parameter (None if a layer has none)."""
+    devices = [next(layer.parameters(), None) for layer in _decoder_of(model).layers]
+    return None if None in devices else [parameter.device for parameter in devices]
 
 
 def _check_shapes_and_dtype(model, model_config, pnmix_config: PNMixConfig) -> None:
@@ -168,7 +175,7 @@ def _cache_creating_forward(decoder, original, state):
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = decoder.config.use_cache
-        cache = _pnmix_cache_for(cache, use_cache, decoder.config, state)
+        cache = _pnmix_cache_for(cache, use_cache, decoder, state)
         if len(args) > cache_position:
             args[cache_position] = cache
         else:
@@ -178,7 +185,8 @@ def _cache_creating_forward(decoder, original, state):
     return forward
 
 
-def _pnmix_cache_for(cache, use_cache, model_config, state):
+def _pnmix_cache_for(cache, use_cache, decoder, state):
+    model_config = decoder.config
     if isinstance(cache, PNMixCache):
         return cache
     if cache is None:
@@ -186,7 +194,7 @@ def _pnmix_cache_for(cache, use_cache, model_config, state):
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
         return PNMixCache(model_config, state["config"], state["adapter"].pairing)
     if type(cache) is StaticCache and not cache.is_initialized:
-        return _reusable_static_cache(cache.layers[0].max_cache_len, model_config, state)
+        return _reusable_static_cache(cache.layers[0].max_cache_len, decoder, state)
     if isinstance(cache, Cache):
         raise TypeError(
             f"a PN-Mix patched model cannot use a {type(cache).__name__} "
@@ -196,12 +204,13 @@ def _pnmix_cache_for(cache, use_cache, model_config, state):
     raise TypeError(f"cache must be a transformers Cache or None, got {type(cache).__name__}")
 
 
-def _reusable_static_cache(max_cache_len: int, model_config, state) -> PNMixStaticCache:
+def _reusable_static_cache(max_cache_len: int, decoder, state) -> PNMixStaticCache:
     """The model's static PN-Mix cache for ``max_cache_len``, emptied in place (same addresses,
     so a compiled decode step and its CUDA graphs are reused), or a new one."""
-    cache = state.get("static_cache")
-    if cache is None or cache.pnmix_config != state["config"] or cache.layers[0].max_cache_len != max_cache_len:
-        cache = PNMixStaticCache(model_config, state["config"], state["adapter"].pairing, max_cache_len)
+    cache, devices = state.get("static_cache"), _layer_devices(decoder)
+    if (cache is None or cache.pnmix_config != state["config"] or cache.layers[0].max_cache_len != max_cache_len
+            or cache.layer_devices != (devices or [None] * len(cache.layers))):  # fmt: skip
+        cache = PNMixStaticCache(decoder.config, state["config"], state["adapter"].pairing, max_cache_len, devices)
         state["static_cache"] = cache
     else:
         cache.reset()

@@ -13,13 +13,14 @@ preallocated for ``max_cache_len`` positions when the first chunk arrives:
   counter (``arrivals``, zero between steps), and the position count ``cumulative_length``
   as device tensors.
 
-Every tensor is marked as a static address for ``torch.compile`` and is only ever
-written in place, so CUDA graphs replay on the same memory. In a :class:`PNMixStaticCache`
-each field is one tensor stacked over the layers (a layer's tensors are views of its slot)
-and the decode step indexes it inside the graph: a compiled call takes 18 cache tensors
-instead of 18 per layer, each of which costs host time on every call (Dynamo's guards, the
-gathering of the graph's inputs, the version count of a mutated input, the CUDA-graph
-tree's address check).
+Every tensor a decode step reads is marked as a static address for ``torch.compile`` and
+is only ever written in place, so CUDA graphs replay on the same memory. In a
+:class:`PNMixStaticCache` each field is one tensor stacked over the layers that run on
+one device (a layer's tensors are views of its slot), and the decode step indexes it
+inside the graph: a compiled call takes 18 cache tensors per device instead of 18 per
+layer, each of which costs host time on every call (Dynamo's guards, the gathering of the
+graph's inputs, the version count of a mutated input, the CUDA-graph tree's address
+check).
 
 Prefill (any chunk of more than one token, and the first chunk) runs the dynamic
 cache's code, host synchronizations included: pair selection and the first packing
@@ -35,6 +36,8 @@ its attention output becomes NaN from then on (``overflowed``); eager steps rais
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -54,31 +57,49 @@ _DECODE_STATE = (
 
 
 class _LayerStack:
-    """The storage of one static cache's layers: each field one tensor ``[layers, *shape]``.
+    """The storage of the layers of one static cache that run on one device: each field one
+    tensor ``[layers, *shape]``, a layer's tensors views of its slot.
 
-    :meth:`adopt` is called by each layer once its own tensors exist. Layer 0's call (or the first)
-    allocates the stacked tensors; every call copies the layer's tensors into its slot. A layer whose
-    shapes, dtypes or device differ from the stack's keeps its own tensors (its slot stays unused)."""
+    The first member to allocate its own tensors (:meth:`PNMixStaticLayer.lazy_initialization`)
+    allocates the stacks, so the peak is the stacks plus one layer's tensors; each member copies
+    its tensors into its slot and keeps views of it. A member whose tensors differ in shape, dtype
+    or device from the first one's keeps its own, with a warning (its slot stays allocated, unused).
+    :meth:`release` frees the stacks and every member's tensors at once."""
 
-    def __init__(self, num_layers: int):
-        self.num_layers = num_layers
+    def __init__(self, layers: list[PNMixStaticLayer]):
+        self.layers = layers
         self.tensors: dict[str, torch.Tensor] = {}
 
-    def adopt(self, index: int, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
-        """Copy ``own`` into slot ``index``; returns the stacked tensors it went into (the layer keeps
-        this dict: a later allocation by layer 0 does not change what the layer reads), or None."""
-        if index == 0 or not self.tensors:
-            self.tensors = {name: t.new_zeros((self.num_layers, *t.shape)) for name, t in own.items()}
+    def adopt(self, layer: PNMixStaticLayer, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Copy ``own`` into ``layer``'s slot; returns the stacked tensors it went into, or None."""
+        if not self.tensors:
+            self.tensors = {name: t.new_zeros((len(self.layers), *t.shape)) for name, t in own.items()}
             if not torch.compiler.is_compiling():
                 for tensor in self.tensors.values():
                     torch._dynamo.mark_static_address(tensor)
-        stacks = self.tensors
-        if any(name not in stacks or (stacks[name].shape[1:], stacks[name].dtype, stacks[name].device) != (t.shape, t.dtype, t.device)
-               for name, t in own.items()):  # fmt: skip
-            return None
+        stacks, slot = self.tensors, layer.stack_index
         for name, tensor in own.items():
-            stacks[name][index].copy_(tensor)
+            held = stacks.get(name)
+            if held is None or (held.shape[1:], held.dtype, held.device) != (tensor.shape, tensor.dtype, tensor.device):
+                stacked = "none" if held is None else f"{tuple(held.shape[1:])} {held.dtype} on {held.device}"
+                warnings.warn(
+                    f"static PN-Mix cache: a layer's {name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
+                    f"its stack's {stacked}: the layer keeps tensors of its own (its slot stays allocated, unused)",
+                    stacklevel=3,
+                )
+                return None
+        for name, tensor in own.items():
+            stacks[name][slot].copy_(tensor)
         return stacks
+
+    def release(self) -> None:
+        """Free the stacks and every member's tensors (an emptied cache meets a new batch size:
+        every layer allocates again, and the old storage is not alive meanwhile)."""
+        if any(layer.is_initialized and layer.seen_tokens for layer in self.layers):
+            raise ValueError("a static PN-Mix cache can change its batch size only when every layer is empty (cache.reset())")
+        self.tensors = {}
+        for layer in self.layers:
+            layer.release_storage()
 
 
 class PNMixStaticLayer(PNMixLayer):
@@ -97,10 +118,11 @@ class PNMixStaticLayer(PNMixLayer):
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         super().__init__(config, pairing, max_cache_len)
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill
-        self.stack: _LayerStack | None = None  # set by PNMixStaticCache
+        self.stack: _LayerStack | None = None  # set by PNMixStaticCache, with the layer's slot in it
         self.stack_index = 0
         self.stacked = False
         self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
+        self._storage: dict[str, torch.Tensor] = {}  # the tensors a decode step writes, once allocated
 
     @property
     def seen_tokens(self) -> int:
@@ -128,7 +150,7 @@ class PNMixStaticLayer(PNMixLayer):
         self.arrivals = torch.zeros(self.batch_size, dtype=torch.int32, device=self.device)  # decode_append's counter
         self.cumulative_length = self.cumulative_length.to(self.device)
         own = {name: getattr(self, name) for name in (*_STATIC_STATE, "cumulative_length")}
-        self._stacks = self.stack.adopt(self.stack_index, own) if self.stack is not None else None
+        self._stacks = self.stack.adopt(self, own) if self.stack is not None else None
         self.stacked = self._stacks is not None
         for name in own if self.stacked else ():
             setattr(self, name, self._stacks[name][self.stack_index])
@@ -136,6 +158,23 @@ class PNMixStaticLayer(PNMixLayer):
         if not self.stacked and not torch.compiler.is_compiling():
             for tensor in own.values():
                 torch._dynamo.mark_static_address(tensor)
+
+    def _reserve_groups(self, needed: int) -> None:
+        if self._storage and needed > self.group_capacity:
+            raise ValueError(
+                f"a static PN-Mix cache holds {self.group_capacity} groups per sequence (max_cache_len="
+                f"{self.max_cache_len}); {needed} were asked for: its storage cannot grow in place"
+            )
+        super()._reserve_groups(needed)
+
+    def release_storage(self) -> None:
+        """Drop every tensor of this layer (it allocates again with the next chunk); see :meth:`_LayerStack.release`."""
+        for name in self._storage:
+            delattr(self, name)
+        self._storage, self._stacks, self.stacked = {}, None, False
+        self.cumulative_length = torch.zeros((), dtype=torch.int64)
+        self.is_initialized = False
+        self.prefilled = False
 
     def _decode_state(self) -> dict[str, torch.Tensor]:
         """The tensors a decode step reads: slots of the stacked tensors, indexed inside the graph
@@ -194,7 +233,8 @@ class PNMixStaticLayer(PNMixLayer):
                 )
             return self._decode_step(query, key, value, scaling)
         if self.is_initialized and self.seen_tokens == 0 and key.shape[0] != self.batch_size:
-            self.is_initialized = False  # an emptied cache meets a new batch size: allocate again
+            # An emptied cache meets a new batch size: allocate again (every layer sharing the storage).
+            self.stack.release() if self.stack is not None else self.release_storage()
         output = super().attend(query, key, value, valid, scaling)
         # The dynamic code replaced some tensors (lengths, masks, residual): copy them back.
         for name, tensor in self._storage.items():
@@ -244,14 +284,27 @@ class PNMixStaticCache(PNMixCache):
         config: a :class:`~pnmix_patch.PNMixConfig` or preset name.
         pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
         max_cache_len: positions to preallocate for (prompt plus generated tokens); required.
+        layer_devices: the device each decoder layer runs on (:func:`~pnmix_patch.new_cache`
+            reads them from the model): the layers of one device share one stacked storage.
+            Default: all layers on one device.
+
+    Raises:
+        ValueError: no ``max_cache_len``; ``layer_devices`` not one device per layer.
     """
 
     layer_class = PNMixStaticLayer
 
-    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
+    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half",
+                 max_cache_len: int | None = None, layer_devices=None):  # fmt: skip
         if max_cache_len is None:
             raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
         super().__init__(model_config, config, pairing, max_cache_len)
-        stack = _LayerStack(len(self.layers))
-        for index, layer in enumerate(self.layers):
-            layer.stack, layer.stack_index = stack, index
+        devices = [None] * len(self.layers) if layer_devices is None else [torch.device(d) for d in layer_devices]
+        if len(devices) != len(self.layers):
+            raise ValueError(f"layer_devices names {len(devices)} devices; the model has {len(self.layers)} layers")
+        self.layer_devices = devices
+        for device in dict.fromkeys(devices):
+            members = [layer for layer, own in zip(self.layers, devices) if own == device]
+            stack = _LayerStack(members)
+            for slot, layer in enumerate(members):
+                layer.stack, layer.stack_index = stack, slot

@@ -193,3 +193,64 @@ def test_fields_are_stacked_over_layers_and_the_compiled_step_takes_the_stacks()
     restacked = cache.layers[0]._stacks
     assert restacked is not stacks and restacked["sink_keys"].shape[1] == 1
     assert all(layer.stacked and layer._stacks is restacked for layer in cache.layers)
+
+
+def stacked_cache(layer_devices=None, layers=4):
+    config = tiny_model("llama", num_hidden_layers=layers).config
+    return PNMixStaticCache(config, SMALL, max_cache_len=96, layer_devices=layer_devices)
+
+
+def test_each_device_gets_one_stack_of_its_layers_whatever_order_they_allocate_in():
+    cache = stacked_cache(["cpu", "meta", "cpu", "meta"])
+    first, second, third, fourth = cache.layers
+    assert first.stack is third.stack and second.stack is fourth.stack and first.stack is not second.stack
+    assert [layer.stack_index for layer in cache.layers] == [0, 0, 1, 1]
+    query, key, value = chunk(2, 2, 10, 32, 0)
+    third.attend(query, key, value, None, 0.2)  # the first to allocate need not be the first layer
+    first.attend(query, key, value, None, 0.2)
+    stacks = first.stack.tensors
+    assert stacks["sink_keys"].shape[0] == 2 and first._stacks is stacks and third._stacks is stacks
+    assert third.sink_keys.data_ptr() == stacks["sink_keys"][1].data_ptr()
+    assert first.sink_keys.data_ptr() == stacks["sink_keys"][0].data_ptr()
+    with pytest.raises(ValueError, match="names 3 devices; the model has 4 layers"):
+        stacked_cache(["cpu"] * 3)
+
+
+def test_a_layer_unlike_its_stack_keeps_its_own_tensors_with_a_warning():
+    cache = stacked_cache(layers=2)
+    cache.layers[0].attend(*chunk(2, 2, 10, 32, 0), None, 0.2)
+    with pytest.warns(UserWarning, match="keeps tensors of its own"):
+        cache.layers[1].attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
+    assert cache.layers[0].stacked and not cache.layers[1].stacked and cache.layers[1].sink_keys.shape[0] == 1
+
+
+def test_a_new_batch_size_frees_the_old_stacks_and_needs_every_layer_empty():
+    import gc
+    import weakref
+
+    cache = stacked_cache(layers=2)
+    for layer in cache.layers:
+        layer.attend(*chunk(2, 2, 10, 32, 0), None, 0.2)
+    old = weakref.ref(cache.layers[0].stack.tensors["value_codes"])
+    cache.layers[0].reset()  # layer 1 still holds tokens
+    with pytest.raises(ValueError, match="only when every layer is empty"):
+        cache.layers[0].attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
+    cache.reset()
+    for layer in cache.layers:
+        layer.attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
+    gc.collect()
+    assert old() is None and all(layer.stacked and layer.batch_size == 1 for layer in cache.layers)
+
+
+def test_the_static_storage_refuses_to_grow():
+    layer = stacked_cache(layers=1).layers[0]
+    layer.attend(*chunk(2, 2, 10, 32, 0), None, 0.2)
+    with pytest.raises(ValueError, match="cannot grow in place"):
+        layer._reserve_groups(layer.group_capacity + 1)
+
+
+def test_new_cache_groups_the_layers_by_the_device_of_their_weights():
+    model = patch_model(tiny_model("llama"), SMALL)
+    cache = new_cache(model, 96, static=True)
+    assert cache.layer_devices == [torch.device("cpu")] * len(cache.layers)
+    assert cache.layers[0].stack.layers == cache.layers
