@@ -11,7 +11,7 @@ Patching a built model instance:
    (``generate(..., cache_implementation="static")``) a
    :class:`~pnmix_patch.static_cache.PNMixStaticCache` of the same ``max_cache_len``
    (kept on the model and reset in place on the next call, so compiled decode steps
-   are reused); ``generate`` then carries it from the model's outputs, so
+   are reused; a new one when the layers' devices changed); ``generate`` then carries it from the model's outputs, so
    ``generate``, pipelines and hand-written loops need no change;
 3. sets ``config._attn_implementation = "pnmix"``, registered with transformers'
    attention and mask interfaces (the mask is the boolean SDPA mask: without a
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import types
 
 import torch
@@ -131,9 +132,17 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
 
 
 def _layer_devices(model: torch.nn.Module) -> list[torch.device] | None:
-    """The device of each decoder layer's first parameter (None if a layer has none)."""
-    devices = [next(layer.parameters(), None) for layer in _decoder_of(model).layers]
-    return None if None in devices else [parameter.device for parameter in devices]
+    """The device of each decoder layer: of its first parameter or buffer, else the previous layer's
+    (None when no layer has any)."""
+    devices, device = [], None
+    for layer in _decoder_of(model).layers:
+        tensor = next(itertools.chain(layer.parameters(), layer.buffers()), None)
+        device = tensor.device if tensor is not None else device
+        devices.append(device)
+    if device is None:
+        return None
+    first = next(d for d in devices if d is not None)
+    return [first if d is None else d for d in devices]  # leading layers without tensors: the first device
 
 
 def _check_shapes_and_dtype(model, model_config, pnmix_config: PNMixConfig) -> None:

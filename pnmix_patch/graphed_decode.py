@@ -39,7 +39,9 @@ class GraphedDecodeStep:
     logits ``[batch, 1, vocab]``. On CUDA they live in the graph's memory and are overwritten by
     the next call: read or clone them before calling again. Every call, warm-up ones included, is
     a real decode step that advances the cache. The graph stays valid after ``cache.reset()`` and
-    a new prefill of the same batch size (the static caches keep their storage). As with any
+    a new prefill of the same batch size (the static caches keep their storage); once the cache
+    has allocated its storage again (a prefill of another batch size in between), a call raises
+    instead of replaying into memory the cache no longer holds. As with any
     compiled step of the static PN-Mix cache, a sequence that outgrows ``max_cache_len`` cannot
     raise: its outputs become NaN.
 
@@ -47,6 +49,7 @@ class GraphedDecodeStep:
         ValueError: ``warmup_steps`` not an int >= 1; token ids that are not ``[batch, 1]``, of
             another shape than the first call's, or on another device.
         TypeError: token ids that are not an int64 tensor.
+        RuntimeError: the cache's storage was allocated again since the first call.
     """
 
     def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2):
@@ -60,6 +63,7 @@ class GraphedDecodeStep:
         self._forward = torch.compile(model.forward, fullgraph=True)
         self._warmup_left = warmup_steps
         self._input_ids: torch.Tensor | None = None  # the first call's shape and device; on CUDA the graph's input
+        self._storage: list | None = None  # the cache's storage at the first call (see _storage_of)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits: torch.Tensor | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -76,6 +80,12 @@ class GraphedDecodeStep:
             raise ValueError(f"input_ids must be [batch, 1] (one decode token per sequence); got {list(input_ids.shape)}")
         if self._input_ids is None:
             self._input_ids = input_ids.clone()  # contiguous: warm-ups and capture see the same input
+            self._storage = _storage_of(self.cache)
+        elif any(now is not then for now, then in zip(_storage_of(self.cache), self._storage)):
+            raise RuntimeError(
+                "the cache allocated its storage again since this step was built (a prefill of another batch "
+                "size after cache.reset()): build a new GraphedDecodeStep"
+            )
         elif input_ids.shape != self._input_ids.shape or input_ids.device != self._input_ids.device:
             raise ValueError(
                 f"input_ids of shape {list(input_ids.shape)} on {input_ids.device}: this step was built for "
@@ -117,3 +127,9 @@ class GraphedDecodeStep:
         self._graph = graph
         graph.replay()
         return self._logits
+
+
+def _storage_of(cache) -> list:
+    """Per layer, the object that allocating its storage again replaces: a static PN-Mix layer's
+    dict of tensors, a transformers static layer's key tensor."""
+    return [layer._storage if hasattr(layer, "_storage") else getattr(layer, "keys", None) for layer in cache.layers]

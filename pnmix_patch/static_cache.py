@@ -84,8 +84,8 @@ class _LayerStack:
                 stacked = "none" if held is None else f"{tuple(held.shape[1:])} {held.dtype} on {held.device}"
                 warnings.warn(
                     f"static PN-Mix cache: a layer's {name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
-                    f"its stack's {stacked}: the layer keeps tensors of its own (its slot stays allocated, unused)",
-                    stacklevel=3,
+                    f"its stack's {stacked}: the layer keeps tensors of its own (its slot stays allocated, unused, "
+                    "and memory_report does not count it)"
                 )
                 return None
         for name, tensor in own.items():
@@ -93,8 +93,8 @@ class _LayerStack:
         return stacks
 
     def release(self) -> None:
-        """Free the stacks and every member's tensors (an emptied cache meets a new batch size:
-        every layer allocates again, and the old storage is not alive meanwhile)."""
+        """Drop the stacks and every member's tensors (an emptied cache meets a new batch size: every
+        layer allocates again, and the cache no longer holds the old storage meanwhile)."""
         if any(layer.is_initialized and layer.seen_tokens for layer in self.layers):
             raise ValueError("a static PN-Mix cache can change its batch size only when every layer is empty (cache.reset())")
         self.tensors = {}
@@ -285,8 +285,10 @@ class PNMixStaticCache(PNMixCache):
         pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
         max_cache_len: positions to preallocate for (prompt plus generated tokens); required.
         layer_devices: the device each decoder layer runs on (:func:`~pnmix_patch.new_cache`
-            reads them from the model): the layers of one device share one stacked storage.
-            Default: all layers on one device.
+            reads them from the model): the layers of one device share one stacked storage
+            (devices compare as given: ``"cuda"`` and ``"cuda:0"`` are two). Default: one
+            storage for all layers, so every layer not on the first layer's device keeps tensors
+            of its own, with a warning.
 
     Raises:
         ValueError: no ``max_cache_len``; ``layer_devices`` not one device per layer.
@@ -299,7 +301,7 @@ class PNMixStaticCache(PNMixCache):
         if max_cache_len is None:
             raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
         super().__init__(model_config, config, pairing, max_cache_len)
-        devices = [None] * len(self.layers) if layer_devices is None else [torch.device(d) for d in layer_devices]
+        devices = [None] * len(self.layers) if layer_devices is None else [None if d is None else torch.device(d) for d in layer_devices]
         if len(devices) != len(self.layers):
             raise ValueError(f"layer_devices names {len(devices)} devices; the model has {len(self.layers)} layers")
         self.layer_devices = devices

@@ -55,6 +55,12 @@ def test_bad_arguments_are_named():
     step(torch.zeros(2, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"of shape \[1, 1\] on cpu: this step was built for \[2, 1\] on cpu"):
         step(torch.zeros(1, 1, dtype=torch.long))
+    for batch in (1, 2):  # another batch size in between: the cache allocates its storage again
+        cache.reset()
+        with torch.no_grad():
+            model(input_ids=torch.zeros(batch, 8, dtype=torch.long), **{CACHE_KWARG: cache})
+    with pytest.raises(RuntimeError, match="allocated its storage again since this step was built"):
+        step(torch.zeros(2, 1, dtype=torch.long))
 
 
 @requires_cuda
