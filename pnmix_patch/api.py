@@ -20,6 +20,7 @@ Patching a built model instance:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -74,7 +75,9 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
     if not attentions:
         raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
     for attention in attentions:
-        attention._pnmix_adapter = adapter
+        # A copy per module: one adapter shared by all of them would cost a compiled call one
+        # Python "is" test per layer in Dynamo's guards.
+        attention._pnmix_adapter = dataclasses.replace(adapter)
         attention._pnmix_rotary = adapter.rotary()
         attention.forward = types.MethodType(pnmix_attention_forward, attention)
 

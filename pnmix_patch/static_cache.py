@@ -123,6 +123,9 @@ class PNMixStaticLayer(PNMixLayer):
         self.stacked = False
         self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
         self._storage: dict[str, torch.Tensor] = {}  # the tensors a decode step writes, once allocated
+        # The decode step reads this bool, not self.config: every layer holds the same config, and
+        # Dynamo checks such a shared object on every call with one Python "is" test per layer.
+        self.midpoint_correction = config.midpoint_correction
 
     @property
     def seen_tokens(self) -> int:
@@ -254,7 +257,7 @@ class PNMixStaticLayer(PNMixLayer):
             s["sink_keys"], s["sink_values"], s["sink_len"],
             s["residual_keys"], s["residual_values"], s["residual_len"],
             *packed, s["num_groups"], s["overflowed"], s["arrivals"],
-            self.config.midpoint_correction,
+            self.midpoint_correction,
         )  # fmt: skip
         s["cumulative_length"].add_(1)
         output = decode_attention(

@@ -261,3 +261,31 @@ def test_new_cache_groups_the_layers_by_the_device_of_their_weights():
     assert [layer.stack_index for layer in cache.layers] == [0, 0, 1]
     copied = PNMixStaticCache(model.config, SMALL, max_cache_len=96, layer_devices=stacked_cache(layers=3).layer_devices)
     assert copied.layer_devices == [None] * 3  # the default's devices round-trip
+
+
+def aliasing_tests(model, cache, token) -> int:
+    """How many object-identity tests (``a is b``, evaluated in Python on every call) Dynamo's guards
+    of the compiled decode step make on its arguments."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model.forward, fullgraph=True, backend="eager")(input_ids=token, **{CACHE_KWARG: cache})
+    function = model.forward.__func__
+    while not _debug_get_cache_entry_list(function.__code__):
+        function = function.__wrapped__
+    return str(_debug_get_cache_entry_list(function.__code__)[0].guard_manager).count("LAMBDA_GUARD: L[")
+
+
+def test_the_compiled_step_checks_few_shared_objects_per_layer():
+    """Every object that two layers share costs one Python ``is`` test per layer and call: the decode
+    step reads no shared object but the stacks (bf16's StaticCache step reads the model config)."""
+    counts = []
+    for layers in (2, 3):
+        model = patch_model(tiny_model("llama", num_hidden_layers=layers), SMALL)
+        cache = new_cache(model, 96, static=True)
+        prompt = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            token = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
+        counts.append(aliasing_tests(model, cache, token))
+    assert counts[1] - counts[0] == 2, counts  # the stacks, and the module's bound forward

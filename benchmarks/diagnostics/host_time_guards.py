@@ -11,7 +11,10 @@ mode="reduce-overhead"``, and then measured over ``--calls`` synchronized calls:
   (Dynamo then skips most guards; on the H200 this made bf16's call faster and PN-Mix's slower, so
   the difference is not simply the guards' cost);
 - ``guard_ms``: the best of five rounds of the cache entry's guard check alone;
-- ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches;
+- ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches,
+  ``aliasing_guards`` how many are object-identity tests on the arguments (``a is b``, one object
+  reached by two paths), which Dynamo evaluates in Python, and ``aliasing_ms`` the time of those
+  tests alone, evaluated as one Python expression;
 - ``top``: the functions of a cProfile of 100 calls with the largest own time.
 
 With ``--device cpu`` (no GPU needed), only the guards: their count and the check's time, float32,
@@ -32,6 +35,7 @@ import inspect
 import io
 import json
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -56,7 +60,7 @@ def compiled_frame(forward):
 
 def guard_check(model, token, name: str, cache) -> dict:
     """Time the guard check of ``model.forward``'s compiled frame alone on the call's arguments (best of
-    five rounds of 1,000), and count its guards and tensor matches."""
+    five rounds of 1,000), and count its guards, tensor matches and Python aliasing tests."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     function = compiled_frame(model.forward)
@@ -67,15 +71,28 @@ def guard_check(model, token, name: str, cache) -> dict:
     frame_locals.update({n: c.cell_contents for n, c in zip(function.__code__.co_freevars, function.__closure__ or ())})
     if not manager.check(frame_locals):
         raise RuntimeError(f"the guards fail on the rebuilt locals: {manager.check_verbose(frame_locals).verbose_code_parts}")
-    rounds = []
-    for _ in range(5):
-        started = time.perf_counter()
-        for _ in range(1000):
-            manager.check(frame_locals)
-        rounds.append(time.perf_counter() - started)
-    return {"guard_ms": min(rounds),  # ms per check: seconds per 1000
+    # The aliasing tests on the arguments (``L[...] is L[...]``), as one Python expression: what
+    # Dynamo evaluates for them on every call.
+    aliasing = re.findall(r"LAMBDA_GUARD: (L\[.*? is L\[[^#]*?)\s+#", str(manager))
+    aliasing_check = eval("lambda L: " + " and ".join(f"({part})" for part in aliasing)) if aliasing else None
+    if aliasing_check is not None and not aliasing_check(frame_locals):
+        raise RuntimeError("the aliasing tests fail on the rebuilt locals")
+
+    def best_of_five(check) -> float:
+        """Milliseconds per call of ``check(frame_locals)``: the best of five rounds of 1,000."""
+        rounds = []
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(1000):
+                check(frame_locals)
+            rounds.append(time.perf_counter() - started)
+        return min(rounds)  # seconds per 1000 = ms per call
+
+    return {"guard_ms": best_of_five(manager.check),
             "guards": manager.check_verbose(frame_locals).num_guards_executed,
-            "tensor_guards": str(manager).count("TENSOR_MATCH")}  # fmt: skip
+            "tensor_guards": str(manager).count("TENSOR_MATCH"),
+            "aliasing_guards": len(aliasing),
+            "aliasing_ms": best_of_five(aliasing_check) if aliasing_check is not None else 0.0}  # fmt: skip
 
 
 def measure(cache_name: str, layers: int, calls: int, device: str) -> dict:
@@ -172,7 +189,7 @@ def main() -> None:
                 raise RuntimeError(f"{cache_name} failed:\n{done.stderr[-3000:]}")
             row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
-        guards = f"guard check {row['guard_ms']:.3f} ms ({row['guards']} guards, {row['tensor_guards']} tensor matches)"
+        guards = f"guard check {row['guard_ms']:.3f} ms ({row['guards']} guards, {row['tensor_guards']} tensor matches, {row['aliasing_guards']} aliasing tests taking {row['aliasing_ms']:.3f} ms)"
         if args.device == "cpu":
             print(f"{cache_name}: {guards}", flush=True)
             continue
