@@ -5,7 +5,7 @@ call first runs Dynamo's guards, gathers the graph's inputs (every weight and ev
 tensor: for a 32-layer 8B model about 290 weights, and 18 PN-Mix or 64 bf16 cache tensors) and
 lets the CUDA-graph tree check their addresses and bump the version counters of the mutated
 ones. At batch 1 that host work (1.0-1.75 ms per call measured on an H200 host, for bf16 and
-for the stacked PN-Mix cache) is as long as a fifth to a quarter of the GPU's step,
+for the stacked PN-Mix cache) is as long as a sixth to over a quarter of the GPU's step,
 and a loop that reads each token before feeding it back waits for it on every step.
 
 :class:`GraphedDecodeStep` is the gpt-fast pattern without that layer: the step is compiled

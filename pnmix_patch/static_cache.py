@@ -120,12 +120,16 @@ class PNMixStaticLayer(PNMixLayer):
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill
         self.stack: _LayerStack | None = None  # set by PNMixStaticCache, with the layer's slot in it
         self.stack_index = 0
-        self.stacked = False
         self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
-        self._storage: dict[str, torch.Tensor] = {}  # the tensors a decode step writes, once allocated
+        self._storage: dict[str, torch.Tensor] = {}  # the layer's state tensors (_STATIC_STATE), once allocated
         # The decode step reads this bool, not self.config: every layer holds the same config, and
         # Dynamo checks such a shared object on every call with one Python "is" test per layer.
         self.midpoint_correction = config.midpoint_correction
+
+    @property
+    def stacked(self) -> bool:
+        """Whether this layer's tensors are views of its slot in the stacked storage."""
+        return self._stacks is not None
 
     @property
     def seen_tokens(self) -> int:
@@ -154,7 +158,6 @@ class PNMixStaticLayer(PNMixLayer):
         self.cumulative_length = self.cumulative_length.to(self.device)
         own = {name: getattr(self, name) for name in (*_STATIC_STATE, "cumulative_length")}
         self._stacks = self.stack.adopt(self, own) if self.stack is not None else None
-        self.stacked = self._stacks is not None
         for name in own if self.stacked else ():
             setattr(self, name, self._stacks[name][self.stack_index])
         self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
@@ -174,7 +177,7 @@ class PNMixStaticLayer(PNMixLayer):
         """Drop every tensor of this layer (it allocates again with the next chunk); see :meth:`_LayerStack.release`."""
         for name in self._storage:
             delattr(self, name)
-        self._storage, self._stacks, self.stacked = {}, None, False
+        self._storage, self._stacks = {}, None
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         self.is_initialized = False
         self.prefilled = False
@@ -237,7 +240,10 @@ class PNMixStaticLayer(PNMixLayer):
             return self._decode_step(query, key, value, scaling)
         if self.is_initialized and self.seen_tokens == 0 and key.shape[0] != self.batch_size:
             # An emptied cache meets a new batch size: allocate again (every layer sharing the storage).
-            self.stack.release() if self.stack is not None else self.release_storage()
+            if self.stack is not None:
+                self.stack.release()
+            else:
+                self.release_storage()
         output = super().attend(query, key, value, valid, scaling)
         # The dynamic code replaced some tensors (lengths, masks, residual): copy them back.
         for name, tensor in self._storage.items():
@@ -290,8 +296,8 @@ class PNMixStaticCache(PNMixCache):
         layer_devices: the device each decoder layer runs on (:func:`~pnmix_patch.new_cache`
             reads them from the model): the layers of one device share one stacked storage
             (devices compare as given: ``"cuda"`` and ``"cuda:0"`` are two). Default: one
-            storage for all layers, so every layer not on the first layer's device keeps tensors
-            of its own, with a warning.
+            storage for all layers, so every layer not on the device of the first layer to allocate
+            keeps tensors of its own, with a warning.
 
     Raises:
         ValueError: no ``max_cache_len``; ``layer_devices`` not one device per layer.

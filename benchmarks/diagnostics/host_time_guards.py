@@ -8,8 +8,8 @@ mode="reduce-overhead"``, and then measured over ``--calls`` synchronized calls:
 - ``host_ms``: median time until the call returns (the GPU is idle meanwhile), and ``host_ms_again``
   the same measured once more at the end (how much it drifts within the process);
 - ``host_ms_no_guards``: the same under ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``
-  (Dynamo then skips most guards; on the H200 this made bf16's call faster and PN-Mix's slower, so
-  the difference is not simply the guards' cost);
+  (Dynamo then skips most guards; on the H200 this made bf16's call faster and, with the cache's
+  storage per layer, PN-Mix's slower, so the difference is not simply the guards' cost);
 - ``guard_ms``: the best of five rounds of the cache entry's guard check alone;
 - ``guards``: how many guards that check runs, ``tensor_guards`` how many of them are tensor matches,
   ``aliasing_guards`` how many are object-identity tests on the arguments (``a is b``, one object
