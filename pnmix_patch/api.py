@@ -137,15 +137,15 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
 def _layer_devices(model: torch.nn.Module) -> list[torch.device] | None:
     """The device of each decoder layer: of its first parameter or buffer, else the previous layer's
     (None when no layer has any)."""
-    devices, device = [], None
-    for layer in _decoder_of(model).layers:
-        tensor = next(itertools.chain(layer.parameters(), layer.buffers()), None)
-        device = tensor.device if tensor is not None else device
-        devices.append(device)
-    if device is None:
+    found = [next(itertools.chain(layer.parameters(), layer.buffers()), None) for layer in _decoder_of(model).layers]
+    known = [tensor.device for tensor in found if tensor is not None]
+    if not known:
         return None
-    first = next(d for d in devices if d is not None)
-    return [first if d is None else d for d in devices]  # leading layers without tensors: the first device
+    devices, device = [], known[0]  # leading layers without tensors: the first device found
+    for tensor in found:
+        device = device if tensor is None else tensor.device
+        devices.append(device)
+    return devices
 
 
 def _check_shapes_and_dtype(model, model_config, pnmix_config: PNMixConfig) -> None:

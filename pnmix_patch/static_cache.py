@@ -158,12 +158,13 @@ class PNMixStaticLayer(PNMixLayer):
         self.cumulative_length = self.cumulative_length.to(self.device)
         own = {name: getattr(self, name) for name in (*_STATIC_STATE, "cumulative_length")}
         self._stacks = self.stack.adopt(self, own) if self.stack is not None else None
-        for name in own if self.stacked else ():
-            setattr(self, name, self._stacks[name][self.stack_index])
-        self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
-        if not self.stacked and not torch.compiler.is_compiling():
+        if self.stacked:
+            for name in own:
+                setattr(self, name, self._stacks[name][self.stack_index])
+        elif not torch.compiler.is_compiling():
             for tensor in own.values():
                 torch._dynamo.mark_static_address(tensor)
+        self._storage = {name: getattr(self, name) for name in _STATIC_STATE}
 
     def _reserve_groups(self, needed: int) -> None:
         if self._storage and needed > self.group_capacity:
@@ -182,20 +183,16 @@ class PNMixStaticLayer(PNMixLayer):
         self.is_initialized = False
         self.prefilled = False
 
-    def _decode_state(self) -> dict[str, torch.Tensor]:
-        """The tensors a decode step reads: slots of the stacked tensors, indexed inside the graph
-        (so its inputs are the stacked tensors), or the layer's own."""
-        if self.stacked:
-            return {name: self._stacks[name][self.stack_index] for name in _DECODE_STATE}
-        return {name: getattr(self, name) for name in _DECODE_STATE}
+    def _state(self, name: str) -> torch.Tensor:
+        """One tensor a decode step reads: its slot of the stacked tensor, indexed here so that under
+        ``torch.compile`` the graph's input is the stacked tensor (the layer's view would be a second
+        input aliasing a mutated one), or the layer's own tensor."""
+        return self._stacks[name][self.stack_index] if self.stacked else getattr(self, name)
 
     # ------------------------------------------------------------ transformers API
     def get_seq_length(self) -> torch.Tensor | int:
         """Positions consumed, as a device tensor (no host sync), or 0 before the first token."""
-        if not self.is_initialized:
-            return 0
-        # Stacked: indexed inside the graph too, or the layer's view would be a second input aliasing a mutated one.
-        return self._stacks["cumulative_length"][self.stack_index] if self.stacked else self.cumulative_length
+        return self._state("cumulative_length") if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
         return self.max_cache_len, 0  # fixed, so the mask never changes shape
@@ -256,7 +253,7 @@ class PNMixStaticLayer(PNMixLayer):
         return output
 
     def _decode_step(self, query, key, value, scaling) -> torch.Tensor:
-        s = self._decode_state()
+        s = {name: self._state(name) for name in _DECODE_STATE}
         packed = [s[name] for name in ("key_codes_high", "key_codes_low", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")]
         decode_append(
             key[:, :, 0], value[:, :, 0], s["order"],

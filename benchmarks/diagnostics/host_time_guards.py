@@ -73,7 +73,8 @@ def guard_check(model, token, name: str, cache) -> dict:
         raise RuntimeError(f"the guards fail on the rebuilt locals: {manager.check_verbose(frame_locals).verbose_code_parts}")
     # The aliasing tests on the arguments (``L[...] is L[...]``), as one Python expression: what
     # Dynamo evaluates for them on every call.
-    aliasing = re.findall(r"LAMBDA_GUARD: (L\[.*? is L\[[^#]*?)\s+#", str(manager))
+    text = str(manager)
+    aliasing = re.findall(r"LAMBDA_GUARD: (L\[.*? is L\[[^#]*?)\s+#", text)
     aliasing_check = eval("lambda L: " + " and ".join(f"({part})" for part in aliasing)) if aliasing else None
     if aliasing_check is not None and not aliasing_check(frame_locals):
         raise RuntimeError("the aliasing tests fail on the rebuilt locals")
@@ -90,7 +91,7 @@ def guard_check(model, token, name: str, cache) -> dict:
 
     return {"guard_ms": best_of_five(manager.check),
             "guards": manager.check_verbose(frame_locals).num_guards_executed,
-            "tensor_guards": str(manager).count("TENSOR_MATCH"),
+            "tensor_guards": text.count("TENSOR_MATCH"),
             "aliasing_guards": len(aliasing),
             "aliasing_ms": best_of_five(aliasing_check) if aliasing_check is not None else 0.0}  # fmt: skip
 
