@@ -1,0 +1,186 @@
+"""Where a synchronized graphed decode step spends the time its kernels do not: bf16 StaticCache
+(fair SDPA) against the PN-Mix static cache, both replayed by ``GraphedDecodeStep``.
+
+``bench_decode.py --graphed`` found the PN-Mix step's synchronized time 0.48 ms above its kernels'
+unsynchronized step, against 0.18 ms for bf16, while the gaps between kernels were equal when the
+steps were not synchronized. So the excess is before the first kernel or after the last one. Here,
+per cache (Llama-3.1-8B shape, random bf16 weights, batch 1, context ``--context``):
+
+- ``replay_host_us``: median time of the ``graph.replay()`` call alone, the GPU idle before it;
+- ``replay_wall_us``: median time from the call to the end of a ``torch.cuda.synchronize()``;
+- from a profile of synchronized replays (CPU and CUDA activity), per replay: the ``cudaGraphLaunch``
+  call's duration, the time from its start to the first kernel's start (``start_latency_us``), the
+  first kernel's start to the last one's end (``span_us``), the kernels' own time (``busy_us``),
+  the kernels (and copies or memsets) per replay, and the five largest gaps between kernels;
+- ``micro``: graphs of ``--repeat`` launches of one kind each, timed the same two ways, per launch:
+  an aten pointwise add, an inductor-compiled pointwise kernel, PN-Mix's ``decode_attention`` (split
+  and combine kernels) and ``decode_append`` on one layer's state, recorded from an eager step.
+
+Run from the repository root on a GPU: ``python benchmarks/diagnostics/graph_replay.py --out DIR``
+(writes ``graph_replay.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, StaticCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_decode import cache_arg, fill_bf16, fill_pnmix, model_config, prefill  # noqa: E402
+
+import pnmix_patch.static_cache as static_cache  # noqa: E402
+from pnmix_patch import GraphedDecodeStep, new_cache, patch_model, unpatch_model  # noqa: E402
+
+
+def time_replay(replay, rounds: int = 50) -> dict:
+    """Median host time of ``replay()`` alone and until the GPU is done, the GPU idle before each."""
+    host, wall = [], []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        replay()
+        returned = time.perf_counter()
+        torch.cuda.synchronize()
+        host.append(returned - started)
+        wall.append(time.perf_counter() - started)
+    return {"replay_host_us": statistics.median(host) * 1e6, "replay_wall_us": statistics.median(wall) * 1e6}
+
+
+def trace_replays(replay, rounds: int = 10) -> dict:
+    """Per synchronized replay, from a profile: launch call, start latency, kernel span and busy time,
+    launches, and the largest gaps between kernels (with the kernels on either side)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        for _ in range(rounds):
+            torch.cuda.synchronize()
+            replay()
+            torch.cuda.synchronize()
+    events = profiler.events()
+    launches = sorted((e for e in events if e.name == "cudaGraphLaunch"), key=lambda e: e.time_range.start)
+    device = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start)
+    rows = []
+    for i, launch in enumerate(launches):
+        until = launches[i + 1].time_range.start if i + 1 < len(launches) else float("inf")
+        mine = [e for e in device if launch.time_range.start <= e.time_range.start < until]
+        if not mine:
+            continue
+        gaps = sorted(
+            ((b.time_range.start - a.time_range.end, a.name[:60], b.name[:60]) for a, b in zip(mine, mine[1:])), reverse=True
+        )
+        rows.append({
+            "launch_call_us": launch.time_range.end - launch.time_range.start,
+            "start_latency_us": mine[0].time_range.start - launch.time_range.start,
+            "span_us": mine[-1].time_range.end - mine[0].time_range.start,
+            "busy_us": sum(e.time_range.end - e.time_range.start for e in mine),
+            "launches": len(mine),
+            "largest_gaps": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:5]],
+        })  # fmt: skip
+    summary = {key: statistics.median(r[key] for r in rows) for key in ("launch_call_us", "start_latency_us", "span_us", "busy_us", "launches")}
+    return {**summary, "replays": rows[-2:]}
+
+
+def micro_graph(launch, repeat: int) -> dict:
+    """A graph of ``repeat`` calls of ``launch``, timed as :func:`time_replay`, per launch."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        launch()  # warm-up outside capture (compiles, loads modules)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(repeat):
+            launch()
+    graph.replay()
+    timed = time_replay(graph.replay, rounds=20)
+    return {key.replace("_us", "_us_per_launch"): value / repeat for key, value in timed.items()}
+
+
+def recorded_op_calls(model, cache, name) -> dict:
+    """The arguments of layer 0's ``decode_append`` and ``decode_attention`` in one eager decode step."""
+    calls = {}
+    originals = {"decode_append": static_cache.decode_append, "decode_attention": static_cache.decode_attention}
+
+    def recorder(op_name):
+        def call(*args):
+            calls.setdefault(op_name, args)
+            return originals[op_name](*args)
+
+        return call
+
+    for op_name in originals:
+        setattr(static_cache, op_name, recorder(op_name))
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=model.device), **{name: cache})
+    finally:
+        for op_name, op in originals.items():
+            setattr(static_cache, op_name, op)
+    return calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=200, help="launches per micro graph")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    config = model_config("llama-3.1-8b")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    name = cache_arg(model)
+    report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "command": "python " + " ".join(sys.argv), "context": args.context, "steps": {}}  # fmt: skip
+
+    def measure(label, cache):
+        torch._dynamo.reset()
+        step = GraphedDecodeStep(model, cache)
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        for _ in range(4):  # warm-ups, capture, one replay
+            step(token)
+        torch.cuda.synchronize()
+        row = {**time_replay(step._graph.replay), **trace_replays(step._graph.replay)}
+        report["steps"][label] = row
+        print(label, {k: round(v, 1) for k, v in row.items() if isinstance(v, float)}, flush=True)
+
+    model.set_attn_implementation("sdpa_gqa")
+    bf16 = StaticCache(config=model.config, max_cache_len=args.context + 512)
+    prefill(model, bf16, name)
+    fill_bf16(bf16, args.context)
+    measure("bf16-graphed-fair", bf16)
+    del bf16
+    model.set_attn_implementation("sdpa")
+    patch_model(model, "pnmix-1")
+    static = new_cache(model, args.context + 512 + 100 * args.repeat, static=True)
+    prefill(model, static, name)
+    fill_pnmix(static, args.context)
+    measure("pnmix-graphed", static)
+
+    calls = recorded_op_calls(model, static, name)
+    x = torch.randn(4096, device=device, dtype=torch.bfloat16)
+    y = torch.empty_like(x)
+    pointwise = torch.compile(lambda t: t * 2 + 1)
+    report["micro"] = {
+        "aten add": micro_graph(lambda: torch.add(x, 1, out=y), args.repeat),
+        "inductor pointwise": micro_graph(lambda: pointwise(x), args.repeat),
+        "pnmix decode_attention (2 kernels)": micro_graph(lambda: static_cache.decode_attention(*calls["decode_attention"]), args.repeat),
+        "pnmix decode_append": micro_graph(lambda: static_cache.decode_append(*calls["decode_append"]), args.repeat),
+    }  # fmt: skip
+    for label, row in report["micro"].items():
+        print(f"micro {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    unpatch_model(model)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "graph_replay.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
