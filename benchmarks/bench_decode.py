@@ -32,11 +32,15 @@
    Bandwidth floor: (weight bytes + cache bytes read per step) / copy bandwidth
    measured in the same run (read + write bytes of a 2 GiB device copy).
 
+Each row also has the host time of one call (guards, CUDA-graph replay: time until the call
+returns, calls not synchronized) and the step time when calls are not synchronized one by one.
+
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
-the rest, plus the host time of one call (guards, CUDA-graph replay) and the step time
-when calls are not synchronized one by one.
+the rest. The profiles run after every row is timed, on the rows set up again: once the
+profiler has traced CUDA activity, CUDA-graph launches in the process can cost more host time
+(``benchmarks/diagnostics/graph_replay.py`` measures it), so timing after a profile would be biased.
 
 Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``).
 """
@@ -267,6 +271,23 @@ def kernel_category(kernel: str) -> str:
     return "other"
 
 
+def pipelined_host_time(forward, model, cache, name, calls=20) -> dict:
+    """Host cost of a call: launch-only time per call, and the step time when calls are not
+    synchronized one by one (the GPU then hides the host work if it is shorter)."""
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        host, started = 0.0, time.perf_counter()
+        for _ in range(calls):
+            call = time.perf_counter()
+            forward(input_ids=token, **{name: cache})
+            host += time.perf_counter() - call
+        torch.cuda.synchronize()
+    pipelined = (time.perf_counter() - started) / calls
+    print(f"    host time per call {host / calls * 1e6:8.1f} us; unsynchronized steps {pipelined * 1e6:8.1f} us each", flush=True)
+    return {"host_us_per_call": host / calls * 1e6, "unsynchronized_us_per_step": pipelined * 1e6}
+
+
 def profile_steps(forward, model, cache, name, steps=5) -> dict:
     """GPU time of ``steps`` decode steps by kernel: µs per step, largest first, and by category."""
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
@@ -278,17 +299,6 @@ def profile_steps(forward, model, cache, name, steps=5) -> dict:
             for _ in range(steps):
                 forward(input_ids=token, **{name: cache})
             torch.cuda.synchronize()
-        # Host cost of a call: launch-only time per call, and the step time when calls are not
-        # synchronized one by one (the GPU then hides the host work if it is shorter).
-        calls = 20
-        host, started = 0.0, time.perf_counter()
-        for _ in range(calls):
-            call = time.perf_counter()
-            forward(input_ids=token, **{name: cache})
-            host += time.perf_counter() - call
-        torch.cuda.synchronize()
-        pipelined = (time.perf_counter() - started) / calls
-        host /= calls
     kernels = {}
     for event in profiler.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
@@ -306,9 +316,7 @@ def profile_steps(forward, model, cache, name, steps=5) -> dict:
     print(f"    GPU busy {busy:8.1f} us/step in {sum(r['launches_per_step'] for r in rows):.0f} launches; "
           + "; ".join(f"{c}: {v['us_per_step']:.1f} us ({v['launches_per_step']:.0f})" for c, v in categories.items()),
           flush=True)  # fmt: skip
-    print(f"    host time per call {host * 1e6:8.1f} us; unsynchronized steps {pipelined * 1e6:8.1f} us each", flush=True)
-    return {"gpu_busy_us_per_step": busy, "host_us_per_call": host * 1e6, "unsynchronized_us_per_step": pipelined * 1e6,
-            "categories": categories, "top_kernels": rows[:25]}  # fmt: skip
+    return {"gpu_busy_us_per_step": busy, "categories": categories, "top_kernels": rows[:25]}
 
 
 def prefill(model, cache, name, batch=1, tokens=PROMPT):
@@ -324,72 +332,78 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     name = cache_arg(model)
-    rows = []
-
-    def record(variant, context, times, cache_bytes, kernels=None):
-        ms = statistics.median(times)
-        floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
-        rows.append({"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
-                     "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
-                     "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms})  # fmt: skip
-        if kernels is not None:
-            rows[-1]["profile"] = kernels
-        print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
-              f"({floor / ms:5.1%})", flush=True)
+    rows, inductor = [], {}
 
     def compiled_forward():
         torch._dynamo.reset()
         return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
-    # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
-    variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
-    variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
-    for variant, attention in variants:
-        model.set_attn_implementation(attention)
-        for context in contexts if variant.endswith("fair") else contexts[-1:]:
-            cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
+    def runs(eager=True):
+        """Each timed row's (variant, context, forward, cache, cache bytes read per step), set up in
+        turn (and torn down when the next is asked for)."""
+        # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
+        variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
+        variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
+        for variant, attention in variants:
+            model.set_attn_implementation(attention)
+            for context in contexts if variant.endswith("fair") else contexts[-1:]:
+                cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
+                prefill(model, cache, name)
+                cache_bytes = fill_bf16(cache, context)
+                forward = graphed_forward(model, cache) if "graphed" in variant else compiled_forward()
+                yield variant, context, forward, cache, cache_bytes
+                del cache, forward
+                torch.cuda.empty_cache()
+        model.set_attn_implementation("sdpa")
+        for context in () if compiled_only or not eager else contexts:
+            cache = DynamicCache(config=model.config)
             prefill(model, cache, name)
-            cache_bytes = fill_bf16(cache, context)
-            forward = graphed_forward(model, cache) if "graphed" in variant else compiled_forward()
-            times = time_steps(forward, model, cache, name)
-            record(variant, context, times, cache_bytes, profile_steps(forward, model, cache, name) if profile else None)
-            del cache, forward
-            torch.cuda.empty_cache()
-    model.set_attn_implementation("sdpa")
-    for context in () if compiled_only else contexts:
-        cache = DynamicCache(config=model.config)
-        prefill(model, cache, name)
-        cache_bytes = fill_bf16(cache, context)  # before timing: the steps must see the context
-        record("bf16-eager", context, time_steps(model.forward, model, cache, name), cache_bytes)
-        del cache
-    # PN-Mix: one static size for all contexts (the kernels read only the valid lengths).
-    # One graph (or compile) serves every context: reset() keeps the addresses.
-    patch_model(model, "pnmix-1")
-    static = new_cache(model, max(contexts) + WARMUP + STEPS + PROMPT, static=True)
-    prefill(model, static, name)
-    forward = compiled_forward()
-    counters.clear()
-    for variant in ("pnmix-compiled", "pnmix-graphed") if graphed else ("pnmix-compiled",):
-        if variant == "pnmix-graphed":
-            forward = graphed_forward(model, static)
-        for context in contexts:
-            static.reset()
-            prefill(model, static, name)
-            cache_bytes = fill_pnmix(static, context)
-            times = time_steps(forward, model, static, name)
-            record(variant, context, times, cache_bytes, profile_steps(forward, model, static, name) if profile else None)
-        if variant == "pnmix-compiled":
-            skips = dict(counters["inductor"])  # CUDA-graph skips of reduce-overhead, if any
-    del forward
-    del static
-    for context in () if compiled_only else contexts:
-        cache = new_cache(model)
-        prefill(model, cache, name)
-        cache_bytes = fill_pnmix(cache, context)
-        record("pnmix-eager", context, time_steps(model.forward, model, cache, name), cache_bytes)
-        del cache
-    unpatch_model(model)
-    print(f"  inductor counters during PN-Mix compiled timing: {skips}", flush=True)
+            cache_bytes = fill_bf16(cache, context)  # before timing: the steps must see the context
+            yield "bf16-eager", context, model.forward, cache, cache_bytes
+            del cache
+        # PN-Mix: one static size for all contexts (the kernels read only the valid lengths).
+        # One graph (or compile) serves every context: reset() keeps the addresses.
+        patch_model(model, "pnmix-1")
+        static = new_cache(model, max(contexts) + WARMUP + STEPS + PROMPT, static=True)
+        prefill(model, static, name)
+        forward = compiled_forward()
+        counters.clear()
+        for variant in ("pnmix-compiled", "pnmix-graphed") if graphed else ("pnmix-compiled",):
+            if variant == "pnmix-graphed":
+                forward = graphed_forward(model, static)
+            for context in contexts:
+                static.reset()
+                prefill(model, static, name)
+                yield variant, context, forward, static, fill_pnmix(static, context)
+            if variant == "pnmix-compiled":
+                inductor.update(counters["inductor"])  # CUDA-graph skips of reduce-overhead, if any
+        del forward
+        del static
+        for context in () if compiled_only or not eager else contexts:
+            cache = new_cache(model)
+            prefill(model, cache, name)
+            yield "pnmix-eager", context, model.forward, cache, fill_pnmix(cache, context)
+            del cache
+        unpatch_model(model)
+
+    # Timing first, for every row, with no profiler yet in the process: once torch.profiler has
+    # traced CUDA activity, CUPTI stays attached and every later CUDA-graph launch costs more host
+    # time (see benchmarks/diagnostics/graph_replay.py).
+    for variant, context, forward, cache, cache_bytes in runs():
+        ms = statistics.median(time_steps(forward, model, cache, name))
+        floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
+        rows.append({"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
+                     "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
+                     "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms,
+                     **pipelined_host_time(forward, model, cache, name)})  # fmt: skip
+        print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
+              f"({floor / ms:5.1%})", flush=True)
+    print(f"  inductor counters during PN-Mix compiled timing: {dict(inductor)}", flush=True)
+    if profile:  # the same rows set up again, each compiled step's kernels profiled
+        timed = {(row["variant"], row["context"]): row for row in rows}
+        for variant, context, forward, cache, _ in runs(eager=False):
+            print(f"  profile {variant} T={context}", flush=True)
+            timed[variant, context]["profile"] = profile_steps(forward, model, cache, name)
     del model
     torch.cuda.empty_cache()
     return rows

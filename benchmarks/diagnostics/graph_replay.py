@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -86,8 +87,8 @@ def trace_replays(replay, rounds: int = 10) -> dict:
     return {**summary, "replays": rows[-2:]}
 
 
-def micro_graph(launch, repeat: int) -> dict:
-    """A graph of ``repeat`` calls of ``launch``, timed as :func:`time_replay`, per launch."""
+def micro_graph(launch, repeat: int):
+    """A graph of ``repeat`` calls of ``launch`` (captured and replayed once), and ``repeat``."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -98,8 +99,7 @@ def micro_graph(launch, repeat: int) -> dict:
         for _ in range(repeat):
             launch()
     graph.replay()
-    timed = time_replay(graph.replay, rounds=20)
-    return {key.replace("_us", "_us_per_launch"): value / repeat for key, value in timed.items()}
+    return graph, repeat
 
 
 def recorded_op_calls(model, cache, name) -> dict:
@@ -137,49 +137,63 @@ def main() -> None:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     name = cache_arg(model)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "command": "python " + " ".join(sys.argv), "context": args.context, "steps": {}}  # fmt: skip
+              "command": "python " + " ".join(sys.argv), "context": args.context, "phases": {}}  # fmt: skip
 
-    def measure(label, cache):
+    def graphed(cache):
         torch._dynamo.reset()
         step = GraphedDecodeStep(model, cache)
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         for _ in range(4):  # warm-ups, capture, one replay
             step(token)
         torch.cuda.synchronize()
-        row = {**time_replay(step._graph.replay), **trace_replays(step._graph.replay)}
-        report["steps"][label] = row
-        print(label, {k: round(v, 1) for k, v in row.items() if isinstance(v, float)}, flush=True)
+        return step._graph
 
     model.set_attn_implementation("sdpa_gqa")
     bf16 = StaticCache(config=model.config, max_cache_len=args.context + 512)
     prefill(model, bf16, name)
     fill_bf16(bf16, args.context)
-    measure("bf16-graphed-fair", bf16)
-    del bf16
+    graphs = {"bf16-graphed-fair": graphed(bf16)}
     model.set_attn_implementation("sdpa")
     patch_model(model, "pnmix-1")
-    static = new_cache(model, args.context + 512 + 100 * args.repeat, static=True)
+    static = new_cache(model, args.context + 512 + 300 * args.repeat, static=True)
     prefill(model, static, name)
     fill_pnmix(static, args.context)
-    measure("pnmix-graphed", static)
-
+    graphs["pnmix-graphed"] = graphed(static)
     calls = recorded_op_calls(model, static, name)
     x = torch.randn(4096, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     pointwise = torch.compile(lambda t: t * 2 + 1)
-    report["micro"] = {
-        "aten add": micro_graph(lambda: torch.add(x, 1, out=y), args.repeat),
-        "inductor pointwise": micro_graph(lambda: pointwise(x), args.repeat),
-        "pnmix decode_attention (2 kernels)": micro_graph(lambda: static_cache.decode_attention(*calls["decode_attention"]), args.repeat),
-        "pnmix decode_append": micro_graph(lambda: static_cache.decode_append(*calls["decode_append"]), args.repeat),
+    micro = {
+        "aten add": lambda: torch.add(x, 1, out=y),
+        "inductor pointwise": lambda: pointwise(x),
+        "pnmix decode_attention (2 kernels)": lambda: static_cache.decode_attention(*calls["decode_attention"]),
+        "pnmix decode_append": lambda: static_cache.decode_append(*calls["decode_append"]),
     }  # fmt: skip
-    for label, row in report["micro"].items():
-        print(f"micro {label}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    micro_graphs = {label: micro_graph(launch, args.repeat) for label, launch in micro.items()}
+    micro_graphs["aten add x700"] = micro_graph(micro["aten add"], 700)
+
+    def phase(label):
+        # Every graph's replay timed, the same way in each phase; the JSON rewritten after each.
+        rows = {key: time_replay(graph.replay) for key, graph in graphs.items()}
+        rows.update({f"micro {key}": {k: v / n for k, v in time_replay(graph.replay, rounds=20).items()}
+                     for key, (graph, n) in micro_graphs.items()})  # fmt: skip
+        report["phases"][label] = rows
+        for key, row in rows.items():
+            print(f"{label:16s} {key:40s} " + ", ".join(f"{k} {v:8.2f}" for k, v in row.items()), flush=True)
+        (out / "graph_replay.json").write_text(json.dumps(report, indent=2))
+
+    # Before any profiler, after one (CUPTI stays attached), after one with TEARDOWN_CUPTI=1.
+    phase("no profiler yet")
+    report["traces"] = {key: trace_replays(graph.replay) for key, graph in graphs.items()}
+    phase("after profiler")
+    os.environ["TEARDOWN_CUPTI"] = "1"
+    trace_replays(graphs["bf16-graphed-fair"].replay, rounds=2)
+    phase("after teardown")
     unpatch_model(model)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "graph_replay.json").write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
