@@ -143,6 +143,8 @@ def main() -> None:
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
               "command": "python " + " ".join(sys.argv), "context": args.context, "phases": {}}  # fmt: skip
 
+    steps = []
+
     def graphed(cache):
         torch._dynamo.reset()
         step = GraphedDecodeStep(model, cache)
@@ -150,6 +152,7 @@ def main() -> None:
         for _ in range(4):  # warm-ups, capture, one replay
             step(token)
         torch.cuda.synchronize()
+        steps.append(step)  # the graph reads the step's input buffer: keep it alive
         return step._graph
 
     model.set_attn_implementation("sdpa_gqa")
