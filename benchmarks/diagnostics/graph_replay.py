@@ -1,30 +1,38 @@
-"""Where a synchronized graphed decode step spends the time its kernels do not: bf16 StaticCache
-(fair SDPA) against the PN-Mix static cache, both replayed by ``GraphedDecodeStep``.
+"""Host cost of a CUDA-graph launch before and after ``torch.profiler`` has traced CUDA activity in
+the process: the graphed decode step of bf16 StaticCache (fair SDPA) and of the PN-Mix static cache,
+both replayed by ``GraphedDecodeStep``, and graphs of one launch kind each.
 
-``bench_decode.py --graphed`` found the PN-Mix step's synchronized time 0.48 ms above its kernels'
-unsynchronized step, against 0.18 ms for bf16, while the gaps between kernels were equal when the
-steps were not synchronized. So the excess is before the first kernel or after the last one. Here,
-per cache (Llama-3.1-8B shape, random bf16 weights, batch 1, context ``--context``):
+Why: ``bench_decode.py --profile`` used to profile each row right after timing it, so all PN-Mix
+rows were timed after profiles (bf16's first row never was); they were 0.4-0.9 ms per step slower
+than in a run without profiles (the sixteenth session, benchmarks/RESULTS.md). Here every graph is captured first, with no
+profiler, then timed in two phases:
 
-- ``replay_host_us``: median time of the ``graph.replay()`` call alone, the GPU idle before it;
-- ``replay_wall_us``: median time from the call to the end of a ``torch.cuda.synchronize()``;
-- from a profile of synchronized replays (CPU and CUDA activity), per replay: the ``cudaGraphLaunch``
-  call's duration, the time from its start to the first kernel's start (``start_latency_us``), the
-  first kernel's start to the last one's end (``span_us``), the kernels' own time (``busy_us``),
-  the kernels (and copies or memsets) per replay, and the five largest gaps between kernels;
-- ``micro``: graphs of ``--repeat`` launches of one kind each, timed the same two ways, per launch:
-  an aten pointwise add, an inductor-compiled pointwise kernel, PN-Mix's ``decode_attention`` (split
-  and combine kernels) and ``decode_append`` on one layer's state, recorded from an eager step.
+1. ``no profiler yet``;
+2. ``after profiler``: after one ``torch.profiler`` session (CPU and CUDA activity) over ten
+   synchronized replays of each step graph (``traces`` in the JSON: per replay the
+   ``cudaGraphLaunch`` call's duration, the time from its start to the first kernel's start, the
+   kernels' span and own time, the launches, and the five largest gaps between kernels).
+
+Timed in each phase, the GPU idle before each replay (median): ``replay_host_us``, the
+``graph.replay()`` call alone, and ``replay_wall_us``, from the call to the end of a
+``torch.cuda.synchronize()``. Graphs (Llama-3.1-8B shape, random bf16 weights, batch 1, context
+``--context``): the two decode steps, and ``micro`` graphs of ``--repeat`` launches (per launch) of
+an aten pointwise add, an inductor-compiled pointwise kernel, PN-Mix's ``decode_attention`` (split
+and combine kernels) and ``decode_append`` on layer 0's state recorded from an eager step, and 700
+aten adds.
+
+Setting ``TEARDOWN_CUPTI=1`` before a second profiler session, so that CUPTI is finalized after it,
+crashed the process on the H200 (torch 2.11+cu130: "unspecified launch failure", then a
+segmentation fault), so it is not a way out; profile in another process, or after all timing.
 
 Run from the repository root on a GPU: ``python benchmarks/diagnostics/graph_replay.py --out DIR``
-(writes ``graph_replay.json``).
+(writes ``graph_replay.json`` after each phase).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -189,13 +197,9 @@ def main() -> None:
             print(f"{label:16s} {key:40s} " + ", ".join(f"{k} {v:8.2f}" for k, v in row.items()), flush=True)
         (out / "graph_replay.json").write_text(json.dumps(report, indent=2))
 
-    # Before any profiler, after one (CUPTI stays attached), after one with TEARDOWN_CUPTI=1.
     phase("no profiler yet")
     report["traces"] = {key: trace_replays(graph.replay) for key, graph in graphs.items()}
-    phase("after profiler")
-    os.environ["TEARDOWN_CUPTI"] = "1"
-    trace_replays(graphs["bf16-graphed-fair"].replay, rounds=2)
-    phase("after teardown")
+    phase("after profiler")  # CUPTI stays attached
     unpatch_model(model)
 
 
