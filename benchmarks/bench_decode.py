@@ -39,7 +39,7 @@ returns, calls not synchronized) and the step time when calls are not synchroniz
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
 the rest. The profiles run after every row is timed, on the rows set up again: once the
-profiler has traced CUDA activity, CUDA-graph launches in the process can cost more host time
+profiler has traced CUDA activity, replaying a CUDA graph captured before it costs more host time
 (``benchmarks/diagnostics/graph_replay.py`` measures it), so timing after a profile would be biased.
 
 Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``).
@@ -338,9 +338,10 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         torch._dynamo.reset()
         return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
 
-    def runs(eager=True):
+    def runs(profiling=False):
         """Each timed row's (variant, context, forward, cache, cache bytes read per step), set up in
-        turn (and torn down when the next is asked for)."""
+        turn; a row's storage is freed when the next is asked for, once the caller has dropped its
+        references. ``profiling``: the compiled rows only, the inductor counters left as timed."""
         # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
         variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
         variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
@@ -355,7 +356,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
                 del cache, forward
                 torch.cuda.empty_cache()
         model.set_attn_implementation("sdpa")
-        for context in () if compiled_only or not eager else contexts:
+        for context in () if compiled_only or profiling else contexts:
             cache = DynamicCache(config=model.config)
             prefill(model, cache, name)
             cache_bytes = fill_bf16(cache, context)  # before timing: the steps must see the context
@@ -375,11 +376,11 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
                 static.reset()
                 prefill(model, static, name)
                 yield variant, context, forward, static, fill_pnmix(static, context)
-            if variant == "pnmix-compiled":
+            if variant == "pnmix-compiled" and not profiling:
                 inductor.update(counters["inductor"])  # CUDA-graph skips of reduce-overhead, if any
         del forward
         del static
-        for context in () if compiled_only or not eager else contexts:
+        for context in () if compiled_only or profiling else contexts:
             cache = new_cache(model)
             prefill(model, cache, name)
             yield "pnmix-eager", context, model.forward, cache, fill_pnmix(cache, context)
@@ -387,8 +388,8 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         unpatch_model(model)
 
     # Timing first, for every row, with no profiler yet in the process: once torch.profiler has
-    # traced CUDA activity, CUPTI stays attached and every later CUDA-graph launch costs more host
-    # time (see benchmarks/diagnostics/graph_replay.py).
+    # traced CUDA activity, replaying a CUDA graph costs more host time (measured by
+    # benchmarks/diagnostics/graph_replay.py).
     for variant, context, forward, cache, cache_bytes in runs():
         ms = statistics.median(time_steps(forward, model, cache, name))
         floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
@@ -398,12 +399,14 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
                      **pipelined_host_time(forward, model, cache, name)})  # fmt: skip
         print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
               f"({floor / ms:5.1%})", flush=True)
+        del forward, cache  # so that the next row's setup can free this row's storage
     print(f"  inductor counters during PN-Mix compiled timing: {dict(inductor)}", flush=True)
     if profile:  # the same rows set up again, each compiled step's kernels profiled
         timed = {(row["variant"], row["context"]): row for row in rows}
-        for variant, context, forward, cache, _ in runs(eager=False):
+        for variant, context, forward, cache, _ in runs(profiling=True):
             print(f"  profile {variant} T={context}", flush=True)
             timed[variant, context]["profile"] = profile_steps(forward, model, cache, name)
+            del forward, cache
     del model
     torch.cuda.empty_cache()
     return rows

@@ -3,8 +3,9 @@ the process: the graphed decode step of bf16 StaticCache (fair SDPA) and of the 
 both replayed by ``GraphedDecodeStep``, and graphs of one launch kind each.
 
 Why: ``bench_decode.py --profile`` used to profile each row right after timing it, so all PN-Mix
-rows were timed after profiles (bf16's first row never was); they were 0.4-0.9 ms per step slower
-than in a run without profiles (the sixteenth session, benchmarks/RESULTS.md). Here every graph is captured first, with no
+rows were timed after profiles (bf16's first row never was). Through ``reduce-overhead`` they were
+0.55-0.87 ms per step slower than in a run without profiles on another machine (the sixteenth
+session, benchmarks/RESULTS.md). Here every graph is captured first, with no
 profiler, then timed in two phases:
 
 1. ``no profiler yet``;
@@ -18,12 +19,13 @@ Timed in each phase, the GPU idle before each replay (median): ``replay_host_us`
 ``torch.cuda.synchronize()``. Graphs (Llama-3.1-8B shape, random bf16 weights, batch 1, context
 ``--context``): the two decode steps, and ``micro`` graphs of ``--repeat`` launches (per launch) of
 an aten pointwise add, an inductor-compiled pointwise kernel, PN-Mix's ``decode_attention`` (split
-and combine kernels) and ``decode_append`` on layer 0's state recorded from an eager step, and 700
-aten adds.
+and combine kernels) and ``decode_append``, with layer 0's arguments recorded from an eager step,
+each on a PN-Mix cache of its own, and 700 aten adds.
 
-Setting ``TEARDOWN_CUPTI=1`` before a second profiler session, so that CUPTI is finalized after it,
-crashed the process on the H200 (torch 2.11+cu130: "unspecified launch failure", then a
-segmentation fault), so it is not a way out; profile in another process, or after all timing.
+A third phase, once run on the H200 (torch 2.11+cu130) and since removed, set ``TEARDOWN_CUPTI=1``
+before a second profiler session so that Kineto would tear CUPTI down after it: that session failed
+with "unspecified launch failure" and the process then died of a segmentation fault. So that is no
+way out here; profile in another process, or after all timing.
 
 Run from the repository root on a GPU: ``python benchmarks/diagnostics/graph_replay.py --out DIR``
 (writes ``graph_replay.json`` after each phase).
@@ -170,19 +172,27 @@ def main() -> None:
     graphs = {"bf16-graphed-fair": graphed(bf16)}
     model.set_attn_implementation("sdpa")
     patch_model(model, "pnmix-1")
-    static = new_cache(model, args.context + 512 + 300 * args.repeat, static=True)
-    prefill(model, static, name)
-    fill_pnmix(static, args.context)
+
+    def pnmix_cache(tokens):
+        cache = new_cache(model, tokens, static=True)
+        prefill(model, cache, name)
+        fill_pnmix(cache, args.context)
+        return cache
+
+    static = pnmix_cache(args.context + 512)
     graphs["pnmix-graphed"] = graphed(static)
-    calls = recorded_op_calls(model, static, name)
+    # The micro graphs' op calls, each on a cache of its own: the append graph's replays grow its
+    # cache (``repeat`` tokens each), which must not lengthen what the other graphs read.
+    attention_calls = recorded_op_calls(model, pnmix_cache(args.context + 512), name)
+    append_calls = recorded_op_calls(model, pnmix_cache(args.context + 512 + 50 * args.repeat), name)
     x = torch.randn(4096, device=device, dtype=torch.bfloat16)
     y = torch.empty_like(x)
     pointwise = torch.compile(lambda t: t * 2 + 1)
     micro = {
         "aten add": lambda: torch.add(x, 1, out=y),
         "inductor pointwise": lambda: pointwise(x),
-        "pnmix decode_attention (2 kernels)": lambda: static_cache.decode_attention(*calls["decode_attention"]),
-        "pnmix decode_append": lambda: static_cache.decode_append(*calls["decode_append"]),
+        "pnmix decode_attention (2 kernels)": lambda: static_cache.decode_attention(*attention_calls["decode_attention"]),
+        "pnmix decode_append": lambda: static_cache.decode_append(*append_calls["decode_append"]),
     }  # fmt: skip
     micro_graphs = {label: micro_graph(launch, args.repeat) for label, launch in micro.items()}
     micro_graphs["aten add x700"] = micro_graph(micro["aten add"], 700)
@@ -199,7 +209,7 @@ def main() -> None:
 
     phase("no profiler yet")
     report["traces"] = {key: trace_replays(graph.replay) for key, graph in graphs.items()}
-    phase("after profiler")  # CUPTI stays attached
+    phase("after profiler")
     unpatch_model(model)
 
 
