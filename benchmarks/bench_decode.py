@@ -2,6 +2,7 @@
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
         [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed]
+    python benchmarks/bench_decode.py --model qwen3-8b --interleaved [--paths reduce-overhead graphed] ...
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
    its PyTorch reference, bit-exact, on CUDA; a tiny patched Llama decoding greedily with
@@ -33,7 +34,13 @@
    measured in the same run (read + write bytes of a 2 GiB device copy).
 
 Each row also has the host time of one call (guards, CUDA-graph replay: time until the call
-returns, calls not synchronized) and the step time when calls are not synchronized one by one.
+returns; the median over the synchronized steps, and over 20 calls not synchronized) and the step
+time when calls are not synchronized one by one.
+
+``--interleaved`` times only the fair bf16 and PN-Mix compiled rows (of ``--paths``), their
+synchronized steps taking turns in one loop (two model instances, 100 rounds; see
+:func:`time_interleaved`): the rows timed one after the other let the host time of a
+``reduce-overhead`` call drift between them by more than the difference being measured.
 
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
@@ -48,14 +55,15 @@ Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchma
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import statistics
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -75,6 +83,9 @@ from bench_attention import copy_bandwidth  # noqa: E402
 MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
 CONTEXTS = (1024, 8192, 32768)
 PROMPT, WARMUP, STEPS = 64, 8, 40
+ROUNDS = 100  # rounds of --interleaved (one step of each variant per round)
+PIPELINED_CALLS = 20  # unsynchronized calls of pipelined_host_time
+PATHS = ("reduce-overhead", "graphed")
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -234,29 +245,41 @@ def fill_bf16(cache, context: int) -> int:
     return nbytes
 
 
-def graphed_forward(model, cache):
-    """A :class:`~pnmix_patch.GraphedDecodeStep` of ``model`` on ``cache`` (fresh Dynamo state) behind
-    ``model.forward``'s call shape, as :func:`time_steps` and :func:`profile_steps` call it."""
-    torch._dynamo.reset()
+def graphed_forward(model, cache, reset=True):
+    """A :class:`~pnmix_patch.GraphedDecodeStep` of ``model`` on ``cache`` (fresh Dynamo state unless
+    not ``reset``) behind ``model.forward``'s call shape, as :func:`time_steps` and
+    :func:`profile_steps` call it."""
+    if reset:
+        torch._dynamo.reset()
     step = GraphedDecodeStep(model, cache)
-    return lambda input_ids, **_: SimpleNamespace(logits=step(input_ids))
+    return lambda input_ids, **_: types.SimpleNamespace(logits=step(input_ids))
 
 
-def time_steps(forward, model, cache, name, batch=1, warmup=WARMUP, steps=STEPS) -> list[float]:
-    """Per-step milliseconds (CUDA events) of ``steps`` decode steps after ``warmup`` ones."""
-    token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
-    times = []
+def time_steps(runs, name, warmup=WARMUP, steps=STEPS) -> list[dict]:
+    """Synchronized decode steps of each ``(forward, model, cache)`` in ``runs``, taking turns when
+    there are several (one step of each per round, the order reversed every other round: A B, B A,
+    ...), so that a drift of the process's host time falls on all of them alike. For each run, after
+    ``warmup`` rounds: ``ms``, the per-step milliseconds (CUDA events), and ``host_us``, the time
+    until the call returned (the GPU idle when it began)."""
+    tokens = [torch.zeros(1, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
+    timed = [{"ms": [], "host_us": []} for _ in runs]
     with torch.no_grad():
         for step in range(warmup + steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            logits = forward(input_ids=token, **{name: cache}).logits
-            end.record()
-            end.synchronize()
-            token = logits[:, -1:].argmax(-1)
-            if step >= warmup:
-                times.append(start.elapsed_time(end))
-    return times
+            order = range(len(runs)) if step % 2 == 0 else reversed(range(len(runs)))
+            for index in order:
+                forward, _, cache = runs[index]
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                called = time.perf_counter()
+                logits = forward(input_ids=tokens[index], **{name: cache}).logits
+                returned = time.perf_counter()
+                end.record()
+                end.synchronize()
+                tokens[index] = logits[:, -1:].argmax(-1)
+                if step >= warmup:
+                    timed[index]["ms"].append(start.elapsed_time(end))
+                    timed[index]["host_us"].append((returned - called) * 1e6)
+    return timed
 
 
 def kernel_category(kernel: str) -> str:
@@ -271,7 +294,7 @@ def kernel_category(kernel: str) -> str:
     return "other"
 
 
-def pipelined_host_time(forward, model, cache, name, calls=20) -> dict:
+def pipelined_host_time(forward, model, cache, name, calls=PIPELINED_CALLS) -> dict:
     """Host cost of a call: launch-only time per call, and the step time when calls are not
     synchronized one by one (the GPU then hides the host work if it is shorter)."""
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
@@ -325,12 +348,30 @@ def prefill(model, cache, name, batch=1, tokens=PROMPT):
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
-def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False) -> list[dict]:
-    config = model_config(model_name)
+def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, **extra) -> dict:
+    """One row of the report from :func:`time_steps`' ``timed`` (medians) and :func:`pipelined_host_time`."""
+    ms = statistics.median(timed["ms"])
+    floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
+    print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
+          f"({floor / ms:5.1%})", flush=True)
+    return {"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
+            "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
+            "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms,
+            "synchronized_host_us_per_call": statistics.median(timed["host_us"]), **pipelined, **extra}  # fmt: skip
+
+
+def random_model(model_name: str, device):
+    """A randomly initialized bf16 model of the named shape, and the bytes of the weights a decode
+    step reads (all but the embedding table)."""
     torch.manual_seed(0)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+        model = AutoModelForCausalLM.from_config(model_config(model_name), dtype=torch.bfloat16).eval()
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    return model, weight_bytes
+
+
+def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False) -> list[dict]:
+    model, weight_bytes = random_model(model_name, device)
     name = cache_arg(model)
     rows, inductor = [], {}
 
@@ -391,14 +432,9 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
     # traced CUDA activity, replaying a CUDA graph costs more host time (measured by
     # benchmarks/diagnostics/graph_replay.py).
     for variant, context, forward, cache, cache_bytes in runs():
-        ms = statistics.median(time_steps(forward, model, cache, name))
-        floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
-        rows.append({"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
-                     "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
-                     "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms,
-                     **pipelined_host_time(forward, model, cache, name)})  # fmt: skip
-        print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
-              f"({floor / ms:5.1%})", flush=True)
+        (timed,) = time_steps([(forward, model, cache)], name)
+        rows.append(timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth,
+                               pipelined_host_time(forward, model, cache, name)))  # fmt: skip
         del forward, cache  # so that the next row's setup can free this row's storage
     print(f"  inductor counters during PN-Mix compiled timing: {dict(inductor)}", flush=True)
     if profile:  # the same rows set up again, each compiled step's kernels profiled
@@ -412,6 +448,77 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
     return rows
 
 
+def own_forward(model) -> None:
+    """Give ``model`` an instance ``forward`` whose code object is its own. Dynamo keeps compiled
+    entries per code object and checks them in turn: two models of one class compiled side by side
+    would each check the other's guards on every call, which a step compiled alone does not."""
+    function = type(model).forward
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)  # fmt: skip
+    copy.__kwdefaults__ = function.__kwdefaults__
+    functools.update_wrapper(copy, function)  # keeps the signature (the cache argument's name)
+    model.forward = types.MethodType(copy, model)
+
+
+def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS, rounds=ROUNDS) -> list[dict]:
+    """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
+    (:func:`time_steps`), for each path of ``paths`` and each context. :func:`time_model` times one
+    row after the other, so a drift of the process's host time between rows moves its ratios (by up
+    to 0.66 ms of a ``reduce-overhead`` call in the seventeenth session); here it falls on both.
+
+    The variants are two model instances, so that both compiled steps live at once. Each compiled
+    step has a code object of its own (:func:`own_forward`): one Dynamo entry, as after the reset that
+    :func:`time_model` does before each compile. Automatic dynamic shapes are off, so bf16's step for
+    a new static size compiles static, as it would alone. The PN-Mix row also has the ratio of the
+    medians and the median of the per-round ratios."""
+    bf16_model, weight_bytes = random_model(model_name, device)
+    pnmix_model, _ = random_model(model_name, device)
+    bf16_model.set_attn_implementation("sdpa_gqa")
+    patch_model(pnmix_model, "pnmix-1")
+    name = cache_arg(bf16_model)
+    steps_per_row = WARMUP + rounds + PIPELINED_CALLS
+    static = new_cache(pnmix_model, max(contexts) + PROMPT + steps_per_row, static=True)
+    prefill(pnmix_model, static, name)
+    rows = []
+
+    def compiled_step(model, cache, path):
+        own_forward(model)
+        if path == "reduce-overhead":
+            return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
+        return graphed_forward(model, cache, reset=False)
+
+    for path in paths:
+        torch._dynamo.reset()
+        variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
+        pnmix_forward = None  # one step serves every context: reset() keeps the cache's addresses
+        for context in contexts:
+            bf16_cache = StaticCache(config=bf16_model.config, max_cache_len=context + PROMPT + steps_per_row)
+            prefill(bf16_model, bf16_cache, name)
+            bf16_bytes = fill_bf16(bf16_cache, context)
+            static.reset()
+            prefill(pnmix_model, static, name)
+            pnmix_bytes = fill_pnmix(static, context)
+            bf16_forward = compiled_step(bf16_model, bf16_cache, path)  # a new compile per static size
+            pnmix_forward = pnmix_forward or compiled_step(pnmix_model, static, path)
+            runs = [(bf16_forward, bf16_model, bf16_cache), (pnmix_forward, pnmix_model, static)]
+            with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+                timed = time_steps(runs, name, steps=rounds)
+                pipelined = [pipelined_host_time(*run, name) for run in runs]
+            pair = [
+                timing_row(model_name, variant, context, variant_timed, weight_bytes, cache_bytes, bandwidth,
+                           variant_pipelined, interleaved=True)
+                for variant, variant_timed, cache_bytes, variant_pipelined in zip(variants, timed, (bf16_bytes, pnmix_bytes), pipelined)
+            ]  # fmt: skip
+            pair[1]["ratio_to_bf16_of_medians"] = pair[1]["ms_per_token"] / pair[0]["ms_per_token"]
+            pair[1]["ratio_to_bf16_median_of_rounds"] = statistics.median(p / b for p, b in zip(timed[1]["ms"], timed[0]["ms"]))
+            print(f"  {model_name} {path} T={context}: PN-Mix / bf16 {pair[1]['ratio_to_bf16_of_medians']:.3f} "
+                  f"(median of {rounds} rounds' ratios {pair[1]['ratio_to_bf16_median_of_rounds']:.3f})", flush=True)
+            rows += pair
+            del bf16_forward, bf16_cache, runs
+            torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", action="append", choices=MODELS, required=True)
@@ -422,10 +529,15 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
     parser.add_argument("--graphed", action="store_true",
                         help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep")
+    parser.add_argument("--interleaved", action="store_true",
+                        help=f"only the fair bf16 and PN-Mix compiled rows of --paths, their steps taking turns ({ROUNDS} rounds)")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
+    if args.interleaved and (args.profile or args.graphed or args.compiled_only):
+        parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
     device = torch.device("cuda")
     started = time.time()
     checks = {}
@@ -438,22 +550,23 @@ def main() -> None:
         }
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-    rows = [
-        row
-        for model_name in args.model
-        for row in time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed)
-    ]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
-        "command": "python " + " ".join(sys.argv),
-        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
-    }  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     tag = args.tag.lstrip("_")
-    suffix = "_".join(args.model) + (f"_{tag}" if tag else "")
-    (Path(args.out) / f"bench_decode_{suffix}.json").write_text(json.dumps(report, indent=2))
+    path = Path(args.out) / f"bench_decode_{'_'.join(args.model)}{f'_{tag}' if tag else ''}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
+        if args.interleaved:
+            rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths))
+        else:
+            rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed)
+        report = {
+            "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
+            "command": "python " + " ".join(sys.argv),
+            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
+        }  # fmt: skip
+        path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":
