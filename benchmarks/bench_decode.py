@@ -38,8 +38,8 @@ returns; the median over the synchronized steps, and over 20 calls not synchroni
 time when calls are not synchronized one by one.
 
 ``--interleaved`` times only the fair bf16 and PN-Mix compiled rows (of ``--paths``), their
-synchronized steps taking turns of ``--turn`` steps in one loop (two model instances, 100 timed
-steps each; see :func:`time_interleaved`): the rows timed one after the other let the host time of a
+synchronized steps taking turns of ``--turn`` steps in one loop, the first ``--untimed`` of each
+turn not timed (two model instances, 100 timed steps each; see :func:`time_interleaved`): the rows timed one after the other let the host time of a
 ``reduce-overhead`` call drift between them by more than the difference being measured.
 
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
@@ -86,7 +86,7 @@ CONTEXTS = (1024, 8192, 32768)
 PROMPT, WARMUP, STEPS = 64, 8, 40
 INTERLEAVED_STEPS = 100  # timed steps of each variant with --interleaved
 TURN = 10  # consecutive steps of one variant per turn with --interleaved (see time_steps)
-UNTIMED_PER_TURN = 2  # steps after a switch not timed (see time_steps)
+UNTIMED_PER_TURN = 2  # steps after a switch not timed with --interleaved (see time_steps)
 PIPELINED_CALLS = 20  # unsynchronized calls of pipelined_host_time
 PATHS = ("reduce-overhead", "graphed")
 
@@ -258,24 +258,24 @@ def graphed_forward(model, cache, reset=True):
     return lambda input_ids, **_: types.SimpleNamespace(logits=step(input_ids))
 
 
-def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1) -> list[dict]:
+def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0) -> list[dict]:
     """Synchronized decode steps of each ``(forward, model, cache)`` in ``runs``. With several runs
     they take turns of ``turn`` consecutive steps each, the order reversed every other round (A B,
     B A, ...), so that a drift of the process's host time falls on all of them alike.
 
     For each run: ``ms``, the per-step milliseconds (CUDA events) of ``steps`` steps, and
     ``host_us``, the time until each of those calls returned (the GPU idle when it began), after
-    ``warmup`` steps. With turns of several steps, the first :data:`UNTIMED_PER_TURN` of each turn are
-    not timed: the call after a switch finds the CPU caches holding the other model's objects and
-    takes longer on the host (measured in the eighteenth session, ``benchmarks/RESULTS.md``); a
-    model decoding alone does not pay that. Their host times are in ``switch_host_us``, and ``turns``
-    holds the timed steps' indices of each turn (for per-turn ratios)."""
-    untimed = UNTIMED_PER_TURN if len(runs) > 1 and turn > 1 else 0
-    if turn <= untimed:
-        raise ValueError(f"turn={turn}: allowed more than the {untimed} untimed steps of a turn")
+    ``warmup`` steps. The first ``untimed`` steps of each turn are run but not timed: a call right
+    after a switch finds the CPU caches holding the other model's objects and takes longer on the
+    host, which a model decoding alone does not pay (``benchmarks/RESULTS.md``, eighteenth
+    session). ``host_us_by_position[k]`` holds the host times of every turn's step ``k``, untimed
+    ones included (how many calls the host needs to recover), and ``turns`` the timed steps'
+    indices of each turn (for per-turn ratios)."""
+    if not 0 <= untimed < turn:
+        raise ValueError(f"untimed={untimed}: allowed 0 to turn - 1 = {turn - 1}")
     rounds = math.ceil(warmup / turn) + math.ceil(steps / (turn - untimed))
     tokens = [torch.zeros(1, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
-    timed = [{"ms": [], "host_us": [], "switch_host_us": [], "turns": []} for _ in runs]
+    timed = [{"ms": [], "host_us": [], "host_us_by_position": [[] for _ in range(turn)], "turns": []} for _ in runs]
     with torch.no_grad():
         for round_ in range(rounds):
             for index in range(len(runs)) if round_ % 2 == 0 else reversed(range(len(runs))):
@@ -292,20 +292,18 @@ def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1) -> list[dict]:
                     tokens[index] = logits[:, -1:].argmax(-1)
                     if round_ * turn + step < warmup or len(record["ms"]) == steps:
                         continue
-                    if step < untimed:
-                        record["switch_host_us"].append((returned - called) * 1e6)
-                        continue
-                    indices.append(len(record["ms"]))
-                    record["ms"].append(start.elapsed_time(end))
-                    record["host_us"].append((returned - called) * 1e6)
+                    record["host_us_by_position"][step].append((returned - called) * 1e6)
+                    if step >= untimed:
+                        indices.append(len(record["ms"]))
+                        record["ms"].append(start.elapsed_time(end))
+                        record["host_us"].append((returned - called) * 1e6)
                 if indices:
                     record["turns"].append(indices)
     return timed
 
 
-def steps_taken(steps, warmup=WARMUP, turn=1, runs=1) -> int:
+def steps_taken(steps, warmup=WARMUP, turn=1, untimed=0) -> int:
     """Decode steps :func:`time_steps` runs per run (for sizing a static cache)."""
-    untimed = UNTIMED_PER_TURN if runs > 1 and turn > 1 else 0
     return (math.ceil(warmup / turn) + math.ceil(steps / (turn - untimed))) * turn
 
 
@@ -488,9 +486,10 @@ def own_forward(model) -> None:
 
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
-                     steps=INTERLEAVED_STEPS, turn=TURN) -> list[dict]:
+                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN) -> list[dict]:
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
-    of ``turn`` steps (:func:`time_steps`), for each path of ``paths`` and each context.
+    of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
+    ``paths`` and each context.
     :func:`time_model` times one row after the other, so a drift of the process's host time between
     rows moves its ratios (by up to 0.66 ms of a ``reduce-overhead`` call in the seventeenth
     session); here it falls on both.
@@ -505,7 +504,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     bf16_model.set_attn_implementation("sdpa_gqa")
     patch_model(pnmix_model, "pnmix-1")
     name = cache_arg(bf16_model)
-    steps_per_row = steps_taken(steps, turn=turn, runs=2) + PIPELINED_CALLS
+    steps_per_row = steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS
     static = new_cache(pnmix_model, max(contexts) + PROMPT + steps_per_row, static=True)
     prefill(pnmix_model, static, name)
     rows = []
@@ -531,21 +530,22 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             pnmix_forward = pnmix_forward or compiled_step(pnmix_model, static, path)
             runs = [(bf16_forward, bf16_model, bf16_cache), (pnmix_forward, pnmix_model, static)]
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                timed = time_steps(runs, name, steps=steps, turn=turn)
+                timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
                 pipelined = [pipelined_host_time(*run, name) for run in runs]
             pair = [
                 timing_row(model_name, variant, context, variant_timed, weight_bytes, cache_bytes, bandwidth,
-                           variant_pipelined, interleaved=True, turn=turn,
-                           switch_host_us_per_call=statistics.median(variant_timed["switch_host_us"] or [math.nan]))
+                           variant_pipelined, interleaved=True, turn=turn, untimed_per_turn=untimed,
+                           host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]])
                 for variant, variant_timed, cache_bytes, variant_pipelined in zip(variants, timed, (bf16_bytes, pnmix_bytes), pipelined)
             ]  # fmt: skip
             pair[1]["ratio_to_bf16_of_medians"] = pair[1]["ms_per_token"] / pair[0]["ms_per_token"]
             turn_ms = [[statistics.median(t["ms"][i] for i in indices) for indices in t["turns"]] for t in timed]
             pair[1]["ratio_to_bf16_median_of_turns"] = statistics.median(p / b for p, b in zip(turn_ms[1], turn_ms[0]))
             print(f"  {model_name} {path} T={context}: PN-Mix / bf16 {pair[1]['ratio_to_bf16_of_medians']:.3f} "
-                  f"(median of {len(turn_ms[1])} turns' ratios {pair[1]['ratio_to_bf16_median_of_turns']:.3f}); host time of "
-                  f"the call after a switch, bf16 / PN-Mix: {pair[0]['switch_host_us_per_call']:.0f} / "
-                  f"{pair[1]['switch_host_us_per_call']:.0f} us", flush=True)
+                  f"(median of {len(turn_ms[1])} turns' ratios {pair[1]['ratio_to_bf16_median_of_turns']:.3f})", flush=True)
+            for row in pair:
+                print(f"    host time by step of a turn, {row['variant']} (us): "
+                      + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]), flush=True)
             rows += pair
             del bf16_forward, bf16_cache, runs
             torch.cuda.empty_cache()
@@ -564,9 +564,9 @@ def main() -> None:
                         help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep")
     parser.add_argument("--interleaved", action="store_true",
                         help=f"only the fair bf16 and PN-Mix compiled rows of --paths, their steps taking turns ({INTERLEAVED_STEPS} timed steps each)")
-    parser.add_argument("--turn", type=int, default=TURN,
-                        help=f"with --interleaved: steps per turn (default {TURN}; the first {UNTIMED_PER_TURN} of a turn are not "
-                             "timed; 1: one step each, all timed)")
+    parser.add_argument("--turn", type=int, default=TURN, help=f"with --interleaved: steps per turn (default {TURN})")
+    parser.add_argument("--untimed", type=int, default=None,
+                        help=f"with --interleaved: steps run but not timed at the start of each turn (default {UNTIMED_PER_TURN}, 0 with --turn 1)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
@@ -574,10 +574,12 @@ def main() -> None:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
     if args.interleaved and (args.profile or args.graphed or args.compiled_only):
         parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
-    if args.turn != TURN and not args.interleaved:
-        parser.error(f"--turn {args.turn}: allowed only with --interleaved")
-    if args.turn < 1 or 1 < args.turn <= UNTIMED_PER_TURN:
-        parser.error(f"--turn {args.turn}: allowed 1 or more than the {UNTIMED_PER_TURN} untimed steps of a turn")
+    if (args.turn != TURN or args.untimed is not None) and not args.interleaved:
+        parser.error("--turn and --untimed: allowed only with --interleaved")
+    if args.untimed is None:
+        args.untimed = UNTIMED_PER_TURN if args.turn > UNTIMED_PER_TURN else 0
+    if args.turn < 1 or not 0 <= args.untimed < args.turn:
+        parser.error(f"--turn {args.turn} --untimed {args.untimed}: allowed a turn of 1 step or more, and 0 to turn - 1 untimed")
     device = torch.device("cuda")
     started = time.time()
     checks = {}
@@ -597,7 +599,8 @@ def main() -> None:
     rows = []
     for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
         if args.interleaved:
-            rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths), turn=args.turn)
+            rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
+                                     turn=args.turn, untimed=args.untimed)
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed)
         report = {

@@ -10,7 +10,10 @@ CUDA-graph tree, is not here). Median host time per call (after 20 calls) of 400
 
 - ``consecutive``: one model's calls one after the other;
 - ``turns``: the two models' calls alternating (``bench_decode.py --interleaved --turn 1``);
-- ``evicted``: bf16's calls one after the other with 64 MB of memory written between them.
+- ``evicted``: bf16's calls one after the other with 64 MB of memory written between them;
+- ``by_turn_position``: the two models taking turns of 10 calls (``bench_decode.py --interleaved``'s
+  default turn), the median host time of each call of a turn (first, second, ...) over 55 turns:
+  how many calls the host needs after a switch.
 
 Each measurement is taken twice. Run from the repository root: ``python
 benchmarks/diagnostics/host_time_cold_caches.py`` (writes ``benchmarks/results/host_time_cold_caches_cpu.json``).
@@ -90,12 +93,23 @@ def main() -> None:
         sweep.add_(1)  # writes 64 MB: the CPU caches then hold little of the model's objects
         return [("bf16", steps["bf16"])]
 
+    def by_turn_position(turns=60, turn=10):
+        times = {cache: [[] for _ in range(turn)] for cache in steps}
+        for round_ in range(turns):
+            for cache, call in pairs if round_ % 2 == 0 else pairs[::-1]:
+                for position in range(turn):
+                    started = time.perf_counter()
+                    call()
+                    times[cache][position].append(time.perf_counter() - started)
+        return {cache: [statistics.median(t[5:]) * 1e3 for t in positions] for cache, positions in times.items()}
+
     results = []
     with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
         for repeat in range(2):
             row = {"turns": median_host_ms(lambda r: pairs if r % 2 == 0 else pairs[::-1])}
             row["consecutive"] = {c: median_host_ms(lambda r, c=c: [(c, steps[c])])[c] for c in steps}
             row["evicted"] = median_host_ms(evicting)
+            row["by_turn_position"] = by_turn_position()
             print(f"round {repeat + 1}: {row}", flush=True)
             results.append(row)
     cpu = [line for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
