@@ -273,7 +273,7 @@ def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0) -> lis
     indices of each turn (for per-turn ratios)."""
     if not 0 <= untimed < turn:
         raise ValueError(f"untimed={untimed}: allowed 0 to turn - 1 = {turn - 1}")
-    rounds = math.ceil(warmup / turn) + math.ceil(steps / (turn - untimed))
+    rounds = steps_taken(steps, warmup, turn, untimed) // turn
     tokens = [torch.zeros(1, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
     timed = [{"ms": [], "host_us": [], "host_us_by_position": [[] for _ in range(turn)], "turns": []} for _ in runs]
     with torch.no_grad():

@@ -74,14 +74,16 @@ def compiled_step(cache_name: str):
     return lambda: step(input_ids=token, **{name: cache})
 
 
-def median_host_ms(calls_of_round) -> dict:
+def median_host_ms(calls_of_round, rounds=CALLS, skipped=20) -> dict:
+    """Median host time (ms) of each label's calls, ``calls_of_round(r)`` giving round ``r``'s
+    ``(label, call)`` pairs in order; each label's first ``skipped`` calls left out."""
     times = {}
-    for round_ in range(CALLS):
+    for round_ in range(rounds):
         for label, call in calls_of_round(round_):
             started = time.perf_counter()
             call()
             times.setdefault(label, []).append(time.perf_counter() - started)
-    return {label: statistics.median(t[20:]) * 1e3 for label, t in times.items()}
+    return {label: statistics.median(t[skipped:]) * 1e3 for label, t in times.items()}
 
 
 def main() -> None:
@@ -94,14 +96,12 @@ def main() -> None:
         return [("bf16", steps["bf16"])]
 
     def by_turn_position(turns=60, turn=10):
-        times = {cache: [[] for _ in range(turn)] for cache in steps}
-        for round_ in range(turns):
-            for cache, call in pairs if round_ % 2 == 0 else pairs[::-1]:
-                for position in range(turn):
-                    started = time.perf_counter()
-                    call()
-                    times[cache][position].append(time.perf_counter() - started)
-        return {cache: [statistics.median(t[5:]) * 1e3 for t in positions] for cache, positions in times.items()}
+        def calls_of_round(round_):
+            return [((cache, position), call) for cache, call in (pairs if round_ % 2 == 0 else pairs[::-1])
+                    for position in range(turn)]  # fmt: skip
+
+        medians = median_host_ms(calls_of_round, rounds=turns, skipped=5)
+        return {cache: [medians[cache, position] for position in range(turn)] for cache in steps}
 
     results = []
     with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
