@@ -1,7 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
-        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed]
+        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed] [--gemv]
     python benchmarks/bench_decode.py --model qwen3-8b --interleaved [--paths reduce-overhead graphed] ...
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
@@ -42,6 +42,9 @@ synchronized steps taking turns of ``--turn`` steps in one loop, the first ``--u
 turn not timed (two model instances, 100 timed steps each; see :func:`time_interleaved`): the rows timed one after the other let the host time of a
 ``reduce-overhead`` call drift between them by more than the difference being measured.
 
+``--gemv`` routes every variant's one-token linear products (bf16's too, so the ratios stay fair) through
+``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
+
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
@@ -73,7 +76,7 @@ from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache,
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from pnmix_patch import GraphedDecodeStep, new_cache, patch_model, unpatch_model
+from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
 from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
@@ -385,18 +388,22 @@ def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, b
             "synchronized_host_us_per_call": statistics.median(timed["host_us"]), **pipelined, **extra}  # fmt: skip
 
 
-def random_model(model_name: str, device):
-    """A randomly initialized bf16 model of the named shape, and the bytes of the weights a decode
-    step reads (all but the embedding table)."""
+def random_model(model_name: str, device, gemv: bool = False):
+    """A randomly initialized bf16 model of the named shape (its linear layers' one-token products
+    through ``pnmix::gemv`` when ``gemv``: :func:`pnmix_patch.patch_gemv`), and the bytes of the
+    weights a decode step reads (all but the embedding table)."""
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(model_config(model_name), dtype=torch.bfloat16).eval()
+    if gemv:
+        patch_gemv(model)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     return model, weight_bytes
 
 
-def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False) -> list[dict]:
-    model, weight_bytes = random_model(model_name, device)
+def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False,
+               gemv=False) -> list[dict]:
+    model, weight_bytes = random_model(model_name, device, gemv)
     name = cache_arg(model)
     rows, inductor = [], {}
 
@@ -486,7 +493,7 @@ def own_forward(model) -> None:
 
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
-                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN) -> list[dict]:
+                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False) -> list[dict]:
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -499,8 +506,8 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     :func:`time_model` does before each compile. Automatic dynamic shapes are off, so bf16's step for
     a new static size compiles static, as it would alone. The PN-Mix row also has the ratio of the
     medians and the median of the per-turn ratios (of each turn's median)."""
-    bf16_model, weight_bytes = random_model(model_name, device)
-    pnmix_model, _ = random_model(model_name, device)
+    bf16_model, weight_bytes = random_model(model_name, device, gemv)
+    pnmix_model, _ = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
     patch_model(pnmix_model, "pnmix-1")
     name = cache_arg(bf16_model)
@@ -568,6 +575,8 @@ def main() -> None:
     parser.add_argument("--untimed", type=int, default=None,
                         help=f"with --interleaved: steps run but not timed at the start of each turn (default {UNTIMED_PER_TURN}, 0 with --turn 1)")
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
+    parser.add_argument("--gemv", action="store_true",
+                        help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
@@ -600,14 +609,15 @@ def main() -> None:
     for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
-                                     turn=args.turn, untimed=args.untimed)
+                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv)
         else:
-            rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed)
+            rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
+                               args.gemv)
         report = {
             "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
             "command": "python " + " ".join(sys.argv),
-            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "checks": checks, "timings": rows,
+            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "checks": checks, "timings": rows,
         }  # fmt: skip
         path.write_text(json.dumps(report, indent=2))
 

@@ -8,7 +8,9 @@ Importing this package registers:
   packed groups and residual, reading the codes in registers (on CUDA the Gluon kernel of
   ``decode_attention_mma`` for the shapes of real models, the Triton kernel otherwise);
 - ``torch.ops.pnmix.decode_append``: one decode token into the static cache in place,
-  flushing a full residual buffer on the device (no host synchronization).
+  flushing a full residual buffer on the device (no host synchronization);
+- ``torch.ops.pnmix.gemv``: one token through a linear layer at the memory's speed
+  (:func:`pnmix_patch.patch_gemv` routes a model's one-token products to it).
 
 Each op runs its PyTorch reference on CPU (and any non-CUDA device) and Triton on
 CUDA, and has a fake implementation for ``torch.compile``. Each module holds one
@@ -23,4 +25,4 @@ has no side effects and no op is registered twice.
 """
 
 if __name__ == "pnmix_patch.kernels":
-    from . import decode_append, decode_attention, pack_keys, pack_values  # noqa: F401  (registers the ops)
+    from . import decode_append, decode_attention, gemv, pack_keys, pack_values  # noqa: F401  (registers the ops)

@@ -9,6 +9,7 @@ from .api import is_patched, new_cache, patch_model, unpatch_model
 from .cache import PNMixCache, PNMixLayer
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .graphed_decode import GraphedDecodeStep
+from .linear import GemvLinear, patch_gemv, unpatch_gemv
 from .patches import SUPPORTED_MODEL_TYPES
 from .static_cache import PNMixStaticCache, PNMixStaticLayer
 
@@ -18,6 +19,7 @@ __all__ = [
     "PRESETS",
     "SELECTION_CRITERIA",
     "SUPPORTED_MODEL_TYPES",
+    "GemvLinear",
     "GraphedDecodeStep",
     "PNMixCache",
     "PNMixConfig",
@@ -26,6 +28,8 @@ __all__ = [
     "PNMixStaticLayer",
     "is_patched",
     "new_cache",
+    "patch_gemv",
     "patch_model",
+    "unpatch_gemv",
     "unpatch_model",
 ]

@@ -1,0 +1,197 @@
+"""How fast the weights' matrix-vector products of one batch-1 decode step can be (GPU).
+
+    python benchmarks/diagnostics/gemv_bandwidth.py [--model llama-3.1-8b qwen3-8b] [--out DIR]
+
+Why: issue 4 asks the compiled PN-Mix step to reach 75% of its bandwidth floor at 32K, and the
+floor is mostly weights (15.0 GB at Llama-3.1-8B's shape). In the profiles of ``bench_decode.py``
+the weights' matrix multiplies (cuBLAS, through ``F.linear``) took 4.42-4.49 ms of Llama's step, about
+80% of the copy bandwidth, while the whole step may take at most 5.04-5.09 ms. This measures, on
+random bf16 weights of the real shapes, every projection of every layer and the LM head one after
+the other in one CUDA graph (each weight read once, as in a step, so nothing is served from L2):
+
+- ``cublas``: ``F.linear`` per projection, as the models call it (q, k, v, o, gate, up, down);
+- ``cublas-fused``: the same with q/k/v and gate/up concatenated (4 products per layer);
+- ``triton`` / ``triton-fused``: :func:`_gemv_kernel` below, a plain row-blocked GEMV, with the
+  best of a few block shapes per weight shape (chosen in this run, on the per-shape timing);
+- ``library`` / ``library-fused``: ``torch.ops.pnmix.gemv`` (``kernels/gemv.py``, the kernel that
+  :func:`pnmix_patch.patch_gemv` routes one-token products to: one row per program, its block and
+  warps fixed from this sweep).
+
+It also times each distinct weight shape alone (cycling through enough copies to defeat L2) and
+reports GB/s and the fraction of the copy bandwidth measured in the same run. Every Triton result
+is checked against float32 products first. Writes ``gemv_bandwidth.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_attention import copy_bandwidth  # noqa: E402
+
+from pnmix_patch.kernels.gemv import triton_gemv as library_gemv  # noqa: E402
+from pnmix_patch.planner import MODEL_SHAPES  # noqa: E402
+
+CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8)) if n * k <= 8192]
+"""(rows per program, columns per iteration, warps) tried for each weight shape."""
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``y[n] = sum_k w[n, k] * x[k]`` for ``BLOCK_N`` rows of a row-major ``w [N, K]`` (N a multiple of
+    BLOCK_N, K of BLOCK_K), float32 products summed once after the loop."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(x_ptr + start + cols).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + start + cols[None, :])
+        acc += w.to(tl.float32) * x[None, :]
+    tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
+
+
+def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config) -> torch.Tensor:
+    """``out [N] = w [N, K] @ x [K]`` with ``config`` = (BLOCK_N, BLOCK_K, warps)."""
+    block_n, block_k, warps = config
+    n, k = w.shape
+    if n % block_n or k % block_k:
+        raise ValueError(f"weight {tuple(w.shape)} is not a multiple of the block ({block_n}, {block_k})")
+    _gemv_kernel[(n // block_n,)](x, w, out, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    return out
+
+
+def layer_shapes(shape: dict, fused: bool) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one layer's projections."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    head_dim = shape.get("head_dim", hidden // shape["num_attention_heads"])
+    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    attention = [("qkv", q + 2 * kv, hidden)] if fused else [("q", q, hidden), ("k", kv, hidden), ("v", kv, hidden)]
+    mlp = [("gate_up", 2 * inter, hidden)] if fused else [("gate", inter, hidden), ("up", inter, hidden)]
+    return attention + [("o", hidden, q)] + mlp + [("down", hidden, inter)]
+
+
+def graph_ms(function, replays: int = 20) -> float:
+    """Median ms of replays of ``function`` captured as one CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            function()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        function()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check(got: torch.Tensor, want: torch.Tensor, kernel, n: int, k: int) -> None:
+    error = float((got.float() - want).norm() / want.norm())
+    if error > 1e-2:
+        raise AssertionError(f"Triton GEMV {kernel} on ({n}, {k}): relative error {error:.2e}")
+
+
+def time_shape(n: int, k: int, device, configs) -> dict:
+    """One weight shape alone: enough copies to read 1 GiB per pass (no L2 reuse), cuBLAS and each config."""
+    copies = max(4, -(-2**30 // (2 * n * k)))
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) for _ in range(copies)]
+    x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
+    out = torch.empty(n, device=device, dtype=torch.bfloat16)
+    want = (weights[0].float() @ x[0].float())
+    row = {"N": n, "K": k, "bytes": 2 * n * k,
+           "cublas_us": graph_ms(lambda: [F.linear(x, w) for w in weights]) * 1e3 / copies, "triton": {}}
+    check(library_gemv(x[0], weights[0]), want, "library", n, k)
+    row["library_us"] = graph_ms(lambda: [library_gemv(x[0], w) for w in weights]) * 1e3 / copies
+    for config in configs:
+        if n % config[0] or k % config[1]:
+            continue
+        check(triton_gemv(x[0], weights[0], out, config), want, config, n, k)
+        row["triton"][",".join(map(str, config))] = graph_ms(lambda: [triton_gemv(x[0], w, out, config) for w in weights]) * 1e3 / copies
+    best = min(row["triton"], key=row["triton"].get)
+    row["triton_best"] = best
+    row["triton_best_us"] = row["triton"][best]
+    del weights
+    torch.cuda.empty_cache()
+    return row
+
+
+def time_step(shape: dict, device, fused: bool, best: dict) -> dict:
+    """Every projection of every layer and the LM head, in order, cuBLAS then Triton (each shape's best config)."""
+    projections = layer_shapes(shape, fused) * shape["num_hidden_layers"] + [("lm_head", shape["vocab_size"], shape["hidden_size"])]
+    weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _, n, k in projections]
+    inputs = {k: torch.randn(1, k, device=device, dtype=torch.bfloat16) for _, _, k in projections}
+    outputs = {n: torch.empty(n, device=device, dtype=torch.bfloat16) for _, n, _ in projections}
+    total = sum(w.numel() * 2 for w in weights)
+    cublas = graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
+    triton_ms = graph_ms(lambda: [triton_gemv(inputs[w.shape[1]][0], w, outputs[w.shape[0]], best[tuple(w.shape)]) for w in weights])
+    library_ms = graph_ms(lambda: [library_gemv(inputs[w.shape[1]][0], w) for w in weights])
+    del weights
+    torch.cuda.empty_cache()
+    return {"fused": fused, "products": len(projections), "weight_bytes": total, "cublas_ms": cublas, "triton_ms": triton_ms,
+            "library_ms": library_ms}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(MODEL_SHAPES))
+    parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
+    report = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "configs": CONFIGS, "models": {},
+    }  # fmt: skip
+    for name in args.model:
+        shape = MODEL_SHAPES[name]
+        distinct = sorted({(n, k) for fused in (False, True) for _, n, k in layer_shapes(shape, fused)}
+                          | {(shape["vocab_size"], shape["hidden_size"])})
+        shapes = []
+        for n, k in distinct:
+            row = time_shape(n, k, device, CONFIGS)
+            for key in ("cublas", "triton_best", "library"):
+                row[f"{key}_fraction_of_copy"] = row["bytes"] / (row[f"{key}_us"] * 1e-6) / bandwidth
+            print(f"  {name} [{n:6d}, {k:5d}]: cuBLAS {row['cublas_us']:7.1f} us ({row['cublas_fraction_of_copy']:5.1%}),"
+                  f" Triton {row['triton_best_us']:7.1f} us ({row['triton_best_fraction_of_copy']:5.1%}, {row['triton_best']}),"
+                  f" library {row['library_us']:7.1f} us ({row['library_fraction_of_copy']:5.1%})",
+                  flush=True)
+            shapes.append(row)
+        best = {(row["N"], row["K"]): tuple(int(v) for v in row["triton_best"].split(",")) for row in shapes}
+        steps = []
+        for fused in (False, True):
+            step = time_step(shape, device, fused, best)
+            step["floor_ms"] = step["weight_bytes"] / bandwidth * 1e3
+            print(f"  {name} step ({'fused' if fused else 'unfused'}, {step['products']} products, {step['weight_bytes'] / 1e9:.2f} GB):"
+                  f" cuBLAS {step['cublas_ms']:.3f} ms, Triton {step['triton_ms']:.3f} ms, library {step['library_ms']:.3f} ms,"
+                  f" floor {step['floor_ms']:.3f} ms", flush=True)
+            steps.append(step)
+        report["models"][name] = {"shapes": shapes, "steps": steps}
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "gemv_bandwidth.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
