@@ -8,10 +8,13 @@ whole step, cache update and flush included, replays as one CUDA graph.
     python examples/compiled_decode.py                       # embedded SmolLM2, CPU or CUDA
     python examples/compiled_decode.py --model path/to/model --tokens 1024 --dtype bfloat16
     python examples/compiled_decode.py --graphed
+    python examples/compiled_decode.py --graphed --gemv
 
 ``--graphed`` replays the step through :class:`pnmix_patch.GraphedDecodeStep` instead: the
 same compiled step captured once as a CUDA graph, without ``torch.compile``'s per-call guards
-and input checks (on CUDA; lower host time per token at batch 1).
+and input checks (on CUDA; lower host time per token at batch 1). ``--gemv`` also sends the
+linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), which reads
+the weights faster than cuBLAS at batch 1 on an H200.
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus
@@ -25,7 +28,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pnmix_patch import GraphedDecodeStep, new_cache, patch_model
+from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model
 from pnmix_patch.models import load_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -34,12 +37,15 @@ parser.add_argument("--preset", default="pnmix-1")
 parser.add_argument("--tokens", type=int, default=512, help="tokens to generate")
 parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
 parser.add_argument("--graphed", action="store_true", help="replay the step with GraphedDecodeStep")
+parser.add_argument("--gemv", action="store_true", help="one-token linear products through pnmix::gemv (patch_gemv)")
 args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
 model, tokenizer = load_model(args.model, dtype=dtype, device=device)
 patch_model(model, args.preset)
+if args.gemv:
+    patch_gemv(model)
 cache_argument = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
 
 messages = [{"role": "user", "content": "Prove that the square root of 2 is irrational, step by step."}]
