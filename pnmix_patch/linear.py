@@ -28,8 +28,10 @@ class GemvLinear(torch.nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``F.linear``, through ``pnmix::gemv`` when ``x`` holds one token (``[..., in_features]`` with
-        every leading dim 1)."""
-        if x.shape[:-1].numel() != 1:
+        every leading dim 1) of the weight's dtype, the weight is a plain parameter (not a tensor
+        subclass such as a sharded ``DTensor``) and autocast is off (it would cast the operands)."""
+        if (x.shape[:-1].numel() != 1 or x.dtype != self.weight.dtype or type(self.weight) is not torch.nn.Parameter
+                or torch.is_autocast_enabled(x.device.type)):  # fmt: skip
             return F.linear(x, self.weight, self.bias)
         return gemv(x.reshape(-1), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
@@ -47,10 +49,15 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
 
     Raises:
         ValueError: the model has no ``torch.nn.Linear`` layer (nor a patched one).
+
+    The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
+    ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
+    also pays a custom op's and a Triton launch's host time (not measured on a GPU).
     """
     modules = list(model.modules())
     if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
-        raise ValueError(f"{type(model).__name__} has no torch.nn.Linear layer to patch")
+        raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
+                         "(subclasses, such as quantized linear layers, are left alone)")
     for module in modules:
         if type(module) is torch.nn.Linear:
             module.__class__ = GemvLinear

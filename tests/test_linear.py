@@ -8,6 +8,7 @@ from torch._dynamo.utils import counters
 
 import pnmix_patch.linear
 from pnmix_patch import GemvLinear, new_cache, patch_gemv, patch_model, unpatch_gemv
+from pnmix_patch.kernels.gemv import triton_gemv
 
 
 def counting_gemv(monkeypatch) -> list:
@@ -42,11 +43,60 @@ def test_one_token_products_go_through_the_op_and_give_the_same_tokens(architect
     assert calls == []
 
 
+def test_the_triton_kernel_in_the_model_gives_the_same_logits(monkeypatch):
+    """The op's CPU implementation is ``F.linear`` itself: here the Triton kernel (interpreted) serves
+    the one-token products of a Qwen2 model (biases) for a decode step."""
+    model = tiny_model("qwen2")
+    prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        cache = model(prompt[:, :-1], use_cache=True).past_key_values
+        want = model(prompt[:, -1:], **{CACHE_KWARG: cache}).logits
+        cache.crop(-1)
+        patch_gemv(model)
+        monkeypatch.setattr(pnmix_patch.linear, "gemv", triton_gemv)
+        got = model(prompt[:, -1:], **{CACHE_KWARG: cache}).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_autocast_other_dtypes_and_tensor_subclasses_keep_f_linear(monkeypatch):
+    calls = counting_gemv(monkeypatch)
+    linear = patch_gemv(torch.nn.Linear(8, 4))
+    with torch.autocast("cpu", torch.bfloat16):
+        assert linear(torch.randn(1, 8)).dtype == torch.bfloat16
+    with pytest.raises(RuntimeError, match="same dtype"):  # F.linear's own error, as unpatched
+        linear(torch.randn(8, dtype=torch.float64))
+    linear.weight = torch.nn.Parameter(torch.randn(4, 8).as_subclass(Subclass))
+    linear(torch.randn(8))
+    assert calls == []
+    linear.weight = torch.nn.Parameter(torch.randn(4, 8))
+    linear(torch.randn(1, 1, 8))
+    assert calls == [(4, 8)]
+
+
+class Subclass(torch.Tensor):
+    pass
+
+
+def test_gradients_equal_f_linear_and_frozen_weights_get_none():
+    linear = torch.nn.Linear(6, 3)
+    x = torch.randn(1, 6, requires_grad=True)
+    linear(x).square().sum().backward()
+    want = x.grad.clone(), linear.weight.grad.clone(), linear.bias.grad.clone()
+    x.grad = linear.weight.grad = linear.bias.grad = None
+    patch_gemv(linear)(x).square().sum().backward()
+    for got, expected in zip((x.grad, linear.weight.grad, linear.bias.grad), want):
+        torch.testing.assert_close(got, expected)
+    linear.weight.requires_grad_(False)
+    x.grad = linear.weight.grad = linear.bias.grad = None
+    linear(x).sum().backward()
+    assert linear.weight.grad is None and x.grad is not None
+
+
 def test_patching_twice_changes_nothing_and_a_model_without_linears_is_refused():
     model = patch_gemv(tiny_model("llama"))
     classes = [type(m) for m in model.modules()]
     assert [type(m) for m in patch_gemv(model).modules()] == classes
-    with pytest.raises(ValueError, match="Embedding has no torch.nn.Linear layer"):
+    with pytest.raises(ValueError, match="Embedding has no layer of the exact class torch.nn.Linear"):
         patch_gemv(torch.nn.Embedding(4, 4))
 
 

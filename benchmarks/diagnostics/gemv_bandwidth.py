@@ -13,9 +13,10 @@ the other in one CUDA graph (each weight read once, as in a step, so nothing is 
 - ``cublas-fused``: the same with q/k/v and gate/up concatenated (4 products per layer);
 - ``triton`` / ``triton-fused``: :func:`_gemv_kernel` below, a plain row-blocked GEMV, with the
   best of a few block shapes per weight shape (chosen in this run, on the per-shape timing);
-- ``library`` / ``library-fused``: ``torch.ops.pnmix.gemv`` (``kernels/gemv.py``, the kernel that
-  :func:`pnmix_patch.patch_gemv` routes one-token products to: one row per program, its block and
-  warps fixed from this sweep).
+- ``library`` / ``library-fused``: the launcher behind ``torch.ops.pnmix.gemv`` (``triton_gemv`` of
+  ``kernels/gemv.py``, called directly: the kernel that :func:`pnmix_patch.patch_gemv` routes one-token
+  products to, one row per program, its block and warps fixed from this sweep; inside a CUDA graph
+  the op adds no GPU time).
 
 It also times each distinct weight shape alone (cycling through enough copies to defeat L2) and
 reports GB/s and the fraction of the copy bandwidth measured in the same run. Every Triton result
