@@ -11,7 +11,7 @@ the other in one CUDA graph (each weight read once, as in a step, so nothing is 
 
 - ``cublas``: ``F.linear`` per projection, as the models call it (q, k, v, o, gate, up, down);
 - ``cublas-fused``: the same with q/k/v and gate/up concatenated (4 products per layer);
-- ``triton`` / ``triton-fused``: :func:`_gemv_kernel` below, a plain row-blocked GEMV, with the
+- ``triton`` / ``triton-fused``: :func:`_sweep_gemv_kernel` below, a plain row-blocked GEMV, with the
   best of a few block shapes per weight shape (chosen in this run, on the per-shape timing);
 - ``library`` / ``library-fused``: the launcher behind ``torch.ops.pnmix.gemv`` (``triton_gemv`` of
   ``kernels/gemv.py``, called directly: the kernel that :func:`pnmix_patch.patch_gemv` routes one-token
@@ -50,7 +50,7 @@ CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 51
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _sweep_gemv_kernel(x_ptr, w_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``y[n] = sum_k w[n, k] * x[k]`` for ``BLOCK_N`` rows of a row-major ``w [N, K]`` (N a multiple of
     BLOCK_N, K of BLOCK_K), float32 products summed once after the loop."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,13 +63,13 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.cons
     tl.store(y_ptr + rows, tl.sum(acc, 1).to(y_ptr.dtype.element_ty))
 
 
-def triton_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config) -> torch.Tensor:
+def sweep_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config) -> torch.Tensor:
     """``out [N] = w [N, K] @ x [K]`` with ``config`` = (BLOCK_N, BLOCK_K, warps)."""
     block_n, block_k, warps = config
     n, k = w.shape
     if n % block_n or k % block_k:
         raise ValueError(f"weight {tuple(w.shape)} is not a multiple of the block ({block_n}, {block_k})")
-    _gemv_kernel[(n // block_n,)](x, w, out, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+    _sweep_gemv_kernel[(n // block_n,)](x, w, out, k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
     return out
 
 
@@ -126,8 +126,8 @@ def time_shape(n: int, k: int, device, configs) -> dict:
     for config in configs:
         if n % config[0] or k % config[1]:
             continue
-        check(triton_gemv(x[0], weights[0], out, config), want, config, n, k)
-        row["triton"][",".join(map(str, config))] = graph_ms(lambda: [triton_gemv(x[0], w, out, config) for w in weights]) * 1e3 / copies
+        check(sweep_gemv(x[0], weights[0], out, config), want, config, n, k)
+        row["triton"][",".join(map(str, config))] = graph_ms(lambda: [sweep_gemv(x[0], w, out, config) for w in weights]) * 1e3 / copies
     best = min(row["triton"], key=row["triton"].get)
     row["triton_best"] = best
     row["triton_best_us"] = row["triton"][best]
@@ -144,7 +144,7 @@ def time_step(shape: dict, device, fused: bool, best: dict) -> dict:
     outputs = {n: torch.empty(n, device=device, dtype=torch.bfloat16) for _, n, _ in projections}
     total = sum(w.numel() * 2 for w in weights)
     cublas = graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
-    triton_ms = graph_ms(lambda: [triton_gemv(inputs[w.shape[1]][0], w, outputs[w.shape[0]], best[tuple(w.shape)]) for w in weights])
+    triton_ms = graph_ms(lambda: [sweep_gemv(inputs[w.shape[1]][0], w, outputs[w.shape[0]], best[tuple(w.shape)]) for w in weights])
     library_ms = graph_ms(lambda: [library_gemv(inputs[w.shape[1]][0], w) for w in weights])
     del weights
     torch.cuda.empty_cache()
