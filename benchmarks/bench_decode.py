@@ -44,6 +44,10 @@ turn not timed (two model instances, 100 timed steps each; see :func:`time_inter
 
 ``--gemv`` routes every variant's one-token linear products (bf16's too, so the ratios stay fair) through
 ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
+The MLP's gate, up and SiLU run in one launch (``pnmix::gemv_swiglu``) and q, k and v in another
+(``pnmix::gemv_stacked``): PN-Mix's attention reads them so, and the bf16 variants get the same through
+:func:`fused_projection_forward` (transformers' attention forward with the three products in one
+launch). The checks then also compare each model's logits with and without these products on the GPU.
 
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
@@ -58,7 +62,9 @@ Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
+import itertools
 import json
 import math
 import platform
@@ -68,16 +74,20 @@ import sys
 import time
 import types
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, StaticCache
+from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import pnmix_patch.linear
 from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
+from pnmix_patch.patches import get_patch
 from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
 
@@ -105,6 +115,33 @@ def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.
 
 AttentionInterface.register("sdpa_gqa", gqa_sdpa)
 AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
+
+
+def fused_projection_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                             cache=None, **kwargs):  # fmt: skip
+    """The attention forward of transformers' Llama and Qwen3 (same steps: projections, q/k norms for Qwen3,
+    RoPE, cache update, the configured attention function, o_proj) with q, k and v projected as PN-Mix's
+    attention projects them (the architecture adapter's ``project``: one ``pnmix::gemv_stacked`` launch
+    at one token after ``patch_gemv``). Set on each attention module by :func:`fuse_projections`."""
+    cache = cache if cache is not None else past_key_values
+    query, key, value = self._bench_adapter.project(self, hidden_states)
+    query, key = self._bench_rotary(query, key, *position_embeddings)
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
+    attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+    output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def fuse_projections(model) -> None:
+    """Give ``model``'s attention modules :func:`fused_projection_forward` (instance attributes, as
+    ``patch_model`` sets PN-Mix's forward: the same guards per layer; ``patch_model`` replaces it and
+    ``unpatch_model`` removes it, the class's own forward back)."""
+    adapter = get_patch(model.config.model_type)
+    for module in model.modules():
+        if isinstance(module, adapter.attention_type()):
+            module._bench_adapter, module._bench_rotary = adapter, adapter.rotary()
+            module.forward = types.MethodType(fused_projection_forward, module)
 
 
 def cache_arg(model) -> str:
@@ -201,6 +238,54 @@ def check_compiled_tiny_model(device) -> dict:
     }  # fmt: skip
     print(f"  tiny Llama, static cache compiled on CUDA vs eager CPU: {result}", flush=True)
     return result
+
+
+def check_gemv_products(device) -> dict:
+    """Tiny bf16 Llama and Qwen3 models on the GPU, a 100-token prefill then 30 decode steps fed the
+    same random tokens: logits with ``patch_gemv`` (+ :func:`fuse_projections` for the model's own
+    attention) against the same model without it (cuBLAS), for the model's attention and for PN-Mix.
+    Counts the fused ops' calls, so a fallback to ``F.linear`` cannot pass unseen."""
+    calls = {"gemv_stacked": 0, "gemv_swiglu": 0}
+
+    def counting(name):
+        op = getattr(pnmix_patch.linear, name)
+        return lambda *args: calls.__setitem__(name, calls[name] + 1) or op(*args)
+
+    shapes = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                  num_key_value_heads=2, head_dim=128)  # fmt: skip
+    tokens = torch.randint(0, 256, (1, 130), generator=torch.Generator().manual_seed(0)).to(device)
+    results = {}
+    with contextlib.ExitStack() as stack:
+        for name in calls:
+            stack.enter_context(mock.patch.object(pnmix_patch.linear, name, counting(name)))
+        for config, variant in itertools.product((LlamaConfig(**shapes), Qwen3Config(**shapes)), ("own-attention", "pnmix")):
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).to(device).eval()
+            if variant == "pnmix":
+                patch_model(model, "pnmix-1")
+
+            def decode_logits():
+                cache = new_cache(model) if variant == "pnmix" else DynamicCache(config=model.config)
+                with torch.no_grad():
+                    model(input_ids=tokens[:, :100], **{cache_arg(model): cache})
+                    return torch.cat([model(input_ids=tokens[:, i:i + 1], **{cache_arg(model): cache}).logits[0].float()
+                                      for i in range(100, 130)])  # fmt: skip
+
+            want = decode_logits()
+            patch_gemv(model)
+            if variant == "own-attention":
+                fuse_projections(model)
+            before = dict(calls)
+            got = decode_logits()
+            used = {name: calls[name] - before[name] for name in calls}
+            result = {"max_abs_logit_difference": (got - want).abs().max().item(), "logit_scale": want.abs().max().item(),
+                      "same_argmax_fraction": (got.argmax(-1) == want.argmax(-1)).float().mean().item(), "fused_calls": used}  # fmt: skip
+            print(f"  patch_gemv vs cuBLAS, tiny {config.model_type} bf16, {variant}: {result}", flush=True)
+            if not all(used.values()):
+                raise AssertionError(f"{config.model_type} {variant}: the fused ops were not called: {used}")
+            results[f"{config.model_type}-{variant}"] = result
+            del model
+    return results
 
 
 # ---------------------------------------------------------------------------- timing
@@ -397,6 +482,7 @@ def random_model(model_name: str, device, gemv: bool = False):
         model = AutoModelForCausalLM.from_config(model_config(model_name), dtype=torch.bfloat16).eval()
     if gemv:
         patch_gemv(model)
+        fuse_projections(model)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
     return model, weight_bytes
 
@@ -598,7 +684,7 @@ def main() -> None:
             "fair_attention_max_abs_difference": check_fair_attention(device),
             "decode_append": check_decode_append(device),
             "tiny_model": check_compiled_tiny_model(device),
-        }
+        } | ({"gemv_products": check_gemv_products(device)} if args.gemv else {})
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

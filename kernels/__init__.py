@@ -10,7 +10,9 @@ Importing this package registers:
 - ``torch.ops.pnmix.decode_append``: one decode token into the static cache in place,
   flushing a full residual buffer on the device (no host synchronization);
 - ``torch.ops.pnmix.gemv``: one token through a linear layer at the memory's speed
-  (:func:`pnmix_patch.patch_gemv` routes a model's one-token products to it).
+  (:func:`pnmix_patch.patch_gemv` routes a model's one-token products to it), and
+  ``torch.ops.pnmix.gemv_stacked``: up to three such products in one launch (q, k, v);
+- ``torch.ops.pnmix.gemv_swiglu``: a gated MLP's gate and up products and its SiLU in one launch.
 
 Each op runs its PyTorch reference on CPU (and any non-CUDA device) and Triton on
 CUDA, and has a fake implementation for ``torch.compile``. Each module holds one
@@ -25,4 +27,4 @@ has no side effects and no op is registered twice.
 """
 
 if __name__ == "pnmix_patch.kernels":
-    from . import decode_append, decode_attention, gemv, pack_keys, pack_values  # noqa: F401  (registers the ops)
+    from . import decode_append, decode_attention, gemv, gemv_swiglu, pack_keys, pack_values  # noqa: F401  (registers the ops)

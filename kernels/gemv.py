@@ -13,14 +13,21 @@ float32 and summed once at the end. Rows are independent, so the N programs spre
 whole GPU even for the 1,024 rows of a K or V projection (8 warps there: fewer rows, more bytes
 in flight per program).
 
+The same kernel serves up to three weights stacked in one launch (``torch.ops.pnmix.gemv_stacked``:
+a layer's q, k and v projections, read as one ``[N_q + 2 N_kv, K]`` product without concatenating
+the weights): a step then pays one launch and one tail instead of three, measured as the "fused"
+rows of ``gemv_bandwidth.py``.
+
 Registered as ``torch.ops.pnmix.gemv`` (``custom_op`` + ``register_fake``, and a backward so that a
-patched model still trains): CPU and other devices run :func:`gemv_reference` (``F.linear``), CUDA runs
-:func:`triton_gemv` for contiguous 16- and 32-bit weights. Used by :func:`pnmix_patch.patch_gemv`.
+patched model still trains) and ``torch.ops.pnmix.gemv_stacked`` (inference only): CPU and other
+devices run :func:`gemv_reference` / :func:`gemv_stacked_reference` (``F.linear``), CUDA runs Triton
+for contiguous 16- and 32-bit weights. Used by :func:`pnmix_patch.patch_gemv`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -37,11 +44,22 @@ FEW_ROWS = 2048
 and for 4,096 and more, respectively)."""
 
 
+MAX_STACKED = 3
+"""Weights one launch of :func:`triton_gemv_stacked` reads (a layer's q, k and v projections)."""
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K, END0, END1,
+                 HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+    # y = [W0; W1; W2] x (+ [b0; b1; b2]), one row per program: rows [0, END0) of y come from W0,
+    # [END0, END1) from W1, the rest from W2 (one weight: END0 = END1 = N). The weight is picked
+    # with selects, not branches, so that the row pointer keeps its known 16-byte alignment.
     row = tl.program_id(0)
+    past0 = row >= END0
+    past1 = row >= END1
+    local_row = row - tl.where(past1, END1, tl.where(past0, END0, 0))
+    w_row = tl.where(past1, w2_ptr, tl.where(past0, w1_ptr, w0_ptr)) + local_row.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
-    w_row = w_ptr + row.to(tl.int64) * K
     acc = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
         if EVEN_K:  # no mask: the loads stay 16-byte vectors without predicates
@@ -53,29 +71,52 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, K, HAS_BIAS: tl.constexpr, BLOCK_K:
             acc += tl.load(w_row + start + cols, mask=inside, other=0.0).to(tl.float32) * x
     y = tl.sum(acc, 0)
     if HAS_BIAS:
-        y += tl.load(b_ptr + row).to(tl.float32)
+        y += tl.load(tl.where(past1, b2_ptr, tl.where(past0, b1_ptr, b0_ptr)) + local_row).to(tl.float32)
     tl.store(y_ptr + row, y.to(y_ptr.dtype.element_ty))
 
 
-def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Launch :func:`_gemv_kernel`: ``x [K]``, ``weight [N, K]`` contiguous, ``bias [N]`` or None;
-    returns ``[N]`` in ``x``'s dtype."""
-    n, k = weight.shape
-    out = torch.empty(n, device=x.device, dtype=x.dtype)
-    if n == 0:
-        return out
+def block_for(k: int) -> tuple[int, bool]:
+    """``(BLOCK_K, EVEN_K)`` of a one-token product over ``k`` columns."""
     block = min(BLOCK_K, triton.next_power_of_2(max(k, 1)))
+    return block, k % block == 0
+
+
+def triton_gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """Launch :func:`_gemv_kernel` once for 1 to :data:`MAX_STACKED` products of one ``x [K]``: contiguous
+    ``weights [N_i, K]`` and ``biases [N_i]`` (one per weight, or none); returns their outputs end to
+    end, ``[sum N_i]`` in ``x``'s dtype."""
+    rows = [w.shape[0] for w in weights]
+    k = weights[0].shape[1]
+    out = torch.empty(sum(rows), device=x.device, dtype=x.dtype)
+    if out.numel() == 0:
+        return out
+    padded_weights = weights + weights[:1] * (MAX_STACKED - len(weights))  # unused slots: never selected
+    padded_biases = [b.contiguous() for b in biases] or [out]  # unread without HAS_BIAS
+    padded_biases += padded_biases[:1] * (MAX_STACKED - len(padded_biases))
+    block, even = block_for(k)
+    end0, end1 = (list(itertools.accumulate(rows)) + [out.numel()] * MAX_STACKED)[:2]  # [N0, N0 + N1] or N
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
-        _gemv_kernel[(n,)](
-            x.contiguous(), weight, out if bias is None else bias.contiguous(), out, k,
-            HAS_BIAS=bias is not None, BLOCK_K=block, EVEN_K=k % block == 0, num_warps=8 if n <= FEW_ROWS else 4,
+        _gemv_kernel[(out.numel(),)](
+            x.contiguous(), *padded_weights, *padded_biases, out, k, end0, end1,
+            HAS_BIAS=bool(biases), BLOCK_K=block, EVEN_K=even, num_warps=8 if out.numel() <= FEW_ROWS else 4,
         )  # fmt: skip
     return out
+
+
+def triton_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Launch :func:`_gemv_kernel` for one product: ``x [K]``, ``weight [N, K]`` contiguous, ``bias [N]``
+    or None; returns ``[N]`` in ``x``'s dtype."""
+    return triton_gemv_stacked(x, [weight], [] if bias is None else [bias])
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for one token ``x [K]``: ``[N]``."""
     return F.linear(x, weight, bias)
+
+
+def gemv_stacked_reference(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """The products of one token ``x [K]`` with each of ``weights`` (plus ``biases``, if any), end to end."""
+    return torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases or [None] * len(weights))])
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -91,6 +132,19 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         )
 
 
+def _check_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> None:
+    if not 1 <= len(weights) <= MAX_STACKED:
+        raise ValueError(f"gemv_stacked takes 1 to {MAX_STACKED} weights; got {len(weights)}")
+    if biases and len(biases) != len(weights):
+        raise ValueError(f"gemv_stacked takes one bias per weight or none; got {len(biases)} biases for {len(weights)} weights")
+    for weight, bias in zip(weights, biases or [None] * len(weights)):
+        _check(x, weight, bias)
+
+
+def _triton_serves(weights: list[torch.Tensor]) -> bool:
+    return all(w.is_contiguous() and w.dtype in (torch.float16, torch.bfloat16, torch.float32) for w in weights)
+
+
 @torch.library.custom_op("pnmix::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``weight @ x + bias`` for one token: ``x [K]``, ``weight [N, K]``, ``bias [N]`` or None -> ``[N]``,
@@ -102,7 +156,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> to
 @gemv.register_kernel("cuda")
 def _gemv_cuda(x, weight, bias):
     _check(x, weight, bias)
-    if weight.is_contiguous() and weight.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    if _triton_serves([weight]):
         return triton_gemv(x, weight, bias)
     return gemv_reference(x, weight, bias)
 
@@ -128,3 +182,28 @@ def _gemv_backward(ctx, grad):
 
 
 gemv.register_autograd(_gemv_backward, setup_context=_gemv_setup_context)
+
+
+@torch.library.custom_op("pnmix::gemv_stacked", mutates_args=())
+def gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
+    """The products of one token ``x [K]`` with 1 to 3 ``weights [N_i, K]`` (a layer's q, k and v
+    projections) in one launch, plus ``biases [N_i]`` (one per weight, or an empty list), returned end
+    to end: ``[sum N_i]``, all of one dtype. Inference only (no backward): :mod:`pnmix_patch.linear`
+    calls it when no gradient is needed. This default implementation is
+    :func:`gemv_stacked_reference`; CUDA runs Triton."""
+    _check_stacked(x, weights, biases)
+    return gemv_stacked_reference(x, weights, biases)
+
+
+@gemv_stacked.register_kernel("cuda")
+def _gemv_stacked_cuda(x, weights, biases):
+    _check_stacked(x, weights, biases)
+    if _triton_serves(weights):
+        return triton_gemv_stacked(x, weights, biases)
+    return gemv_stacked_reference(x, weights, biases)
+
+
+@gemv_stacked.register_fake
+def _gemv_stacked_fake(x, weights, biases):
+    _check_stacked(x, weights, biases)
+    return x.new_empty(sum(w.shape[0] for w in weights))

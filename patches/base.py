@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..linear import stacked_products
+
 
 @dataclass(frozen=True)
 class ArchitecturePatch:
@@ -21,6 +23,8 @@ class ArchitecturePatch:
         model_type: the ``config.model_type`` it serves.
         modeling_module: the transformers module defining the attention class.
         attention_class: name of the attention ``nn.Module`` whose forward is replaced.
+        mlp_class: name of the gated MLP ``nn.Module`` (``down_proj(act_fn(gate_proj(x)) *
+            up_proj(x))``), whose one-token products :func:`pnmix_patch.patch_gemv` fuses.
         qk_norm: the module applies ``q_norm``/``k_norm`` per head before RoPE; pair
             norms are taken after them.
         pairing: RoPE pairing, ``"half"`` (``rotate_half``) or ``"interleaved"``.
@@ -29,6 +33,7 @@ class ArchitecturePatch:
     model_type: str
     modeling_module: str
     attention_class: str
+    mlp_class: str
     qk_norm: bool = False
     pairing: str = "half"
 
@@ -51,11 +56,11 @@ class ArchitecturePatch:
             )
 
     def project(self, attention: torch.nn.Module, hidden_states: torch.Tensor):
-        """Queries, keys and values ``[B, heads, T, D]`` before RoPE (after q/k norms)."""
+        """Queries, keys and values ``[B, heads, T, D]`` before RoPE (after q/k norms); one launch for
+        the three products of a token after :func:`pnmix_patch.patch_gemv`."""
         shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
-        query = attention.q_proj(hidden_states).view(shape)
-        key = attention.k_proj(hidden_states).view(shape)
-        value = attention.v_proj(hidden_states).view(shape)
+        projections = stacked_products(hidden_states, (attention.q_proj, attention.k_proj, attention.v_proj))
+        query, key, value = (projection.view(shape) for projection in projections)
         if self.qk_norm:
             query, key = attention.q_norm(query), attention.k_norm(key)
         return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)

@@ -6,5 +6,6 @@ PATCH = ArchitecturePatch(
     model_type="llama",
     modeling_module="transformers.models.llama.modeling_llama",
     attention_class="LlamaAttention",
+    mlp_class="LlamaMLP",
     qk_norm=False,
 )

@@ -6,5 +6,6 @@ PATCH = ArchitecturePatch(
     model_type="mistral",
     modeling_module="transformers.models.mistral.modeling_mistral",
     attention_class="MistralAttention",
+    mlp_class="MistralMLP",
     qk_norm=False,
 )

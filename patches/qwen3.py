@@ -6,5 +6,6 @@ PATCH = ArchitecturePatch(
     model_type="qwen3",
     modeling_module="transformers.models.qwen3.modeling_qwen3",
     attention_class="Qwen3Attention",
+    mlp_class="Qwen3MLP",
     qk_norm=True,
 )

@@ -13,36 +13,109 @@ holding one token goes to the op, anything else (prefill, batches) to ``F.linear
 static shapes that ``torch.compile`` resolves while tracing. A class, not a ``forward`` set on each
 instance: Dynamo guards a module's type anyway, while an instance attribute would add a guard per
 layer to every compiled call. ``unpatch_gemv`` gives the modules their class back.
+
+Products that read the same token are also fused, one launch instead of two or three (fewer
+launches and kernel tails per step), when no gradient is needed (the fused ops have no backward):
+
+- the gated MLP of a supported architecture (``mlp_class`` of its adapter in ``pnmix_patch.patches``,
+  with a SiLU activation) becomes a subclass whose forward reads the gate and up weights and applies
+  the SiLU in one ``pnmix::gemv_swiglu``;
+- :func:`stacked_products` reads a layer's q, k and v weights in one ``pnmix::gemv_stacked``. PN-Mix's
+  attention forward projects through it; a model's own (unpatched) attention forward calls the
+  three layers one by one.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers.activations import SiLUActivation
 
-from .kernels.gemv import gemv
+from .kernels.gemv import gemv, gemv_stacked
+from .kernels.gemv_swiglu import gemv_swiglu
+
+
+def _one_token(x: torch.Tensor, linear: torch.nn.Linear) -> bool:
+    """``x`` is one token (``[..., in_features]``, every leading dim 1) of the weight's dtype, the
+    weight a plain parameter (not a tensor subclass such as a sharded ``DTensor``) and autocast off
+    (it would cast the operands)."""
+    return (x.shape[:-1].numel() == 1 and x.dtype == linear.weight.dtype and type(linear.weight) is torch.nn.Parameter
+            and not torch.is_autocast_enabled(x.device.type))  # fmt: skip
+
+
+def _fusable(x: torch.Tensor, linears) -> bool:
+    """One launch may serve all of ``linears`` on ``x``: each is a :class:`GemvLinear` that would send
+    ``x`` to the op, they all have a bias or none does, and no gradient is needed."""
+    wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in linears for p in m.parameters()))
+    return (not wants_grad and all(type(m) is GemvLinear and _one_token(x, m) for m in linears)
+            and len({m.bias is None for m in linears}) == 1)  # fmt: skip
 
 
 class GemvLinear(torch.nn.Linear):
     """A ``torch.nn.Linear`` whose one-token products run ``torch.ops.pnmix.gemv`` (made by :func:`patch_gemv`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``F.linear``, through ``pnmix::gemv`` when ``x`` holds one token (``[..., in_features]`` with
-        every leading dim 1) of the weight's dtype, the weight is a plain parameter (not a tensor
-        subclass such as a sharded ``DTensor``) and autocast is off (it would cast the operands)."""
-        if (x.shape[:-1].numel() != 1 or x.dtype != self.weight.dtype or type(self.weight) is not torch.nn.Parameter
-                or torch.is_autocast_enabled(x.device.type)):  # fmt: skip
+        """``F.linear``, through ``pnmix::gemv`` when ``x`` holds one token of the weight's dtype, the
+        weight is a plain parameter and autocast is off."""
+        if not _one_token(x, self):
             return F.linear(x, self.weight, self.bias)
         return gemv(x.reshape(-1), self.weight, self.bias).view(*x.shape[:-1], self.out_features)
 
 
+def stacked_products(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``, in one launch of ``pnmix::gemv_stacked`` when ``x`` is
+    one token, every layer a :class:`GemvLinear` and no gradient is needed (1 to 3 layers of one
+    input size, e.g. an attention's q, k and v projections)."""
+    if not _fusable(x, linears):
+        return tuple(linear(x) for linear in linears)
+    biases = [] if linears[0].bias is None else [linear.bias for linear in linears]
+    stacked = gemv_stacked(x.reshape(-1), [linear.weight for linear in linears], biases)
+    sizes = [linear.out_features for linear in linears]
+    return tuple(y.view(*x.shape[:-1], size) for y, size in zip(stacked.split(sizes), sizes))
+
+
+class GemvGatedMLP:
+    """Mixin of a gated MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``) whose one-token gate and up
+    products and SiLU run in one ``pnmix::gemv_swiglu`` (:func:`patch_gemv` makes a subclass of the
+    model's MLP class with it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _fusable(x, (self.gate_proj, self.up_proj)):
+            return super().forward(x)
+        hidden = gemv_swiglu(x.reshape(-1), self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias, self.up_proj.bias)
+        return self.down_proj(hidden.view(*x.shape[:-1], -1))
+
+
+_GATED_MLP_SUBCLASSES: dict[type, type] = {}
+
+
+def _gated_mlp_subclass(mlp_class: type) -> type:
+    """``Gemv<mlp_class>``: :class:`GemvGatedMLP` first, so its forward wins (one subclass per class)."""
+    if mlp_class not in _GATED_MLP_SUBCLASSES:
+        _GATED_MLP_SUBCLASSES[mlp_class] = type(f"Gemv{mlp_class.__name__}", (GemvGatedMLP, mlp_class), {"__module__": __name__})
+    return _GATED_MLP_SUBCLASSES[mlp_class]
+
+
+def _gated_mlp_class(model: torch.nn.Module) -> type | None:
+    """The gated MLP class of ``model``'s architecture, if it is a supported one."""
+    from .patches import PATCHES  # here, not at import: the adapters import this module
+
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if config is not None else None
+    adapter = PATCHES.get(getattr(text_config, "model_type", None))
+    return getattr(adapter.module, adapter.mlp_class) if adapter is not None else None
+
+
 def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the one-token products of ``model``'s ``torch.nn.Linear`` layers to ``torch.ops.pnmix.gemv``.
+    """Route the one-token products of ``model``'s ``torch.nn.Linear`` layers to ``torch.ops.pnmix.gemv``,
+    and fuse those that read the same token.
 
     Args:
         model: any module; every submodule whose class is exactly ``torch.nn.Linear`` becomes a
             :class:`GemvLinear` (in a transformers decoder: the attention and MLP projections and the
-            LM head).
+            LM head). In a Llama, Mistral, Qwen2 or Qwen3 model with a SiLU activation, each MLP also
+            becomes a ``Gemv<MLP class>`` (:class:`GemvGatedMLP`): gate, up and SiLU in one launch.
+            PN-Mix's attention (:func:`~pnmix_patch.patch_model`) reads q, k and v in one launch.
 
     Returns:
         The same model. Patching again changes nothing.
@@ -52,21 +125,29 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
 
     The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
     ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
-    also pays a custom op's and a Triton launch's host time (not measured on a GPU).
+    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A patched
+    model pickles with references to these classes: unpatch it before ``torch.save(model)`` (its
+    ``state_dict`` and ``save_pretrained`` are unchanged).
     """
     modules = list(model.modules())
     if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
         raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
                          "(subclasses, such as quantized linear layers, are left alone)")
+    mlp_class = _gated_mlp_class(model)
     for module in modules:
         if type(module) is torch.nn.Linear:
             module.__class__ = GemvLinear
+        elif type(module) is mlp_class and isinstance(module.act_fn, (torch.nn.SiLU, SiLUActivation)):
+            module.__class__ = _gated_mlp_subclass(mlp_class)
     return model
 
 
 def unpatch_gemv(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again."""
+    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class."""
+    unfused = {subclass: mlp_class for mlp_class, subclass in _GATED_MLP_SUBCLASSES.items()}
     for module in model.modules():
         if type(module) is GemvLinear:
             module.__class__ = torch.nn.Linear
+        elif type(module) in unfused:
+            module.__class__ = unfused[type(module)]
     return model

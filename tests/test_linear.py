@@ -1,65 +1,115 @@
-"""``patch_gemv``: one-token linear products through ``pnmix::gemv``, alone and with PN-Mix, eager and compiled."""
+"""``patch_gemv``: one-token products through ``pnmix::gemv`` (q/k/v stacked, gate/up fused), alone and with PN-Mix, eager and compiled."""
 
 import pytest
 import torch
-from conftest import CACHE_KWARG, tiny_model
+from conftest import CACHE_KWARG, output_cache, tiny_model
 from test_cache import SMALL
 from torch._dynamo.utils import counters
 
 import pnmix_patch.linear
 from pnmix_patch import GemvLinear, new_cache, patch_gemv, patch_model, unpatch_gemv
-from pnmix_patch.kernels.gemv import triton_gemv
+from pnmix_patch.kernels.gemv import triton_gemv, triton_gemv_stacked
+from pnmix_patch.kernels.gemv_swiglu import triton_gemv_swiglu
+from pnmix_patch.linear import GemvGatedMLP, stacked_products
+
+OPS = ("gemv", "gemv_stacked", "gemv_swiglu")
 
 
-def counting_gemv(monkeypatch) -> list:
-    """Record the shapes of the weights that go through the op."""
-    calls, op = [], pnmix_patch.linear.gemv
+def counting_ops(monkeypatch, launchers=None) -> list:
+    """Record each call of the three ops (name, first weight's shape); ``launchers`` (name -> function)
+    replaces an op's implementation (the Triton launchers, interpreted)."""
+    calls = []
+    for name in OPS:
+        run = (launchers or {}).get(name, getattr(pnmix_patch.linear, name))
 
-    def counted(x, weight, bias):
-        calls.append(tuple(weight.shape))
-        return op(x, weight, bias)
+        def counted(x, weights, *rest, name=name, run=run):
+            calls.append((name, tuple((weights[0] if name == "gemv_stacked" else weights).shape)))
+            return run(x, weights, *rest)
 
-    monkeypatch.setattr(pnmix_patch.linear, "gemv", counted)
+        monkeypatch.setattr(pnmix_patch.linear, name, counted)
     return calls
 
 
-def test_one_token_products_go_through_the_op_and_give_the_same_tokens(architecture, monkeypatch):
+@pytest.mark.parametrize("pnmix", [False, True], ids=["own-attention", "pnmix"])
+def test_one_token_products_go_through_the_ops_and_give_the_same_tokens(architecture, pnmix, monkeypatch):
     model = tiny_model(architecture)
+    if pnmix:
+        patch_model(model, SMALL)
     prompt = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(0))
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
-    calls = counting_gemv(monkeypatch)
+    mlp_class = type(model.model.layers[0].mlp)
+    calls = counting_ops(monkeypatch)
     assert patch_gemv(model) is model and sum(type(m) is GemvLinear for m in model.modules()) == linears
-    output = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    assert torch.equal(output.sequences, expected)
+    assert all(isinstance(layer.mlp, (GemvGatedMLP, mlp_class)) for layer in model.model.layers)
+    output = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(output, expected)
     # The prefill's products (12 tokens) go to F.linear, except the LM head's (generate keeps the last
-    # token's logits); each of the 5 decode steps sends every linear layer through the op.
-    lm_head = tuple(model.lm_head.weight.shape)
-    assert len(calls) == 5 * linears + 1 and calls.count(lm_head) == 6
+    # token's logits). Each of the 5 decode steps: per layer, gate/up/SiLU in one launch, q/k/v in one
+    # under PN-Mix's attention (three under the model's own), then o and down; and the LM head.
+    layers = len(model.model.layers)
+    want = {"gemv": 5 * layers * (2 if pnmix else 5) + 6, "gemv_stacked": 5 * layers if pnmix else 0, "gemv_swiglu": 5 * layers}
+    assert {name: sum(n == name for n, _ in calls) for name in OPS} == want
+    assert calls.count(("gemv", tuple(model.lm_head.weight.shape))) == 6
     unpatch_gemv(model)
     assert not any(type(m) is GemvLinear for m in model.modules())
+    assert all(type(layer.mlp) is mlp_class for layer in model.model.layers)
     calls.clear()
     model.generate(prompt, max_new_tokens=2, do_sample=False, pad_token_id=0)
     assert calls == []
 
 
-def test_the_triton_kernel_in_the_model_gives_the_same_logits(monkeypatch):
-    """The op's CPU implementation is ``F.linear`` itself: here the Triton kernel (interpreted) serves
-    the one-token products of a Qwen2 model (biases) for a decode step."""
-    model = tiny_model("qwen2")
+@pytest.mark.parametrize("architecture, overrides", [("qwen2", {}), ("llama", {"attention_bias": True, "mlp_bias": True})])
+def test_the_triton_kernels_in_the_model_give_the_same_logits(architecture, overrides, monkeypatch):
+    """The ops' CPU implementations are the model's own arithmetic: here the Triton kernels
+    (interpreted) serve a PN-Mix decode step, biases on q/k/v (and on the MLP for Llama)."""
+    model = patch_model(tiny_model(architecture, **overrides), SMALL)
     prompt = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(4))
+
+    def last_logits():
+        cache = output_cache(model(prompt[:, :-1], use_cache=True))
+        return model(prompt[:, -1:], **{CACHE_KWARG: cache}).logits
+
     with torch.no_grad():
-        cache = model(prompt[:, :-1], use_cache=True).past_key_values
-        want = model(prompt[:, -1:], **{CACHE_KWARG: cache}).logits
-        cache.crop(-1)
+        want = last_logits()
         patch_gemv(model)
-        monkeypatch.setattr(pnmix_patch.linear, "gemv", triton_gemv)
-        got = model(prompt[:, -1:], **{CACHE_KWARG: cache}).logits
+        calls = counting_ops(monkeypatch, {"gemv": triton_gemv, "gemv_stacked": triton_gemv_stacked, "gemv_swiglu": triton_gemv_swiglu})
+        got = last_logits()
+    assert {name for name, _ in calls} == set(OPS)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_fused_ops_only_where_no_gradient_is_needed(monkeypatch):
+    """The stacked and SwiGLU ops have no backward: with gradients wanted each layer keeps its own
+    product (``pnmix::gemv``, which has one), and gradients reach the weights."""
+    model = patch_gemv(tiny_model("llama"))
+    attention = model.model.layers[0].self_attn
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    token = torch.randint(0, 96, (1, 1), generator=torch.Generator().manual_seed(5))
+    hidden = torch.randn(1, 1, model.config.hidden_size)
+    calls = counting_ops(monkeypatch)
+    model(token).logits.sum().backward()
+    sum(y.sum() for y in stacked_products(hidden, projections)).backward()
+    assert {name for name, _ in calls} == {"gemv"}
+    assert model.model.layers[0].mlp.gate_proj.weight.grad is not None and attention.v_proj.weight.grad is not None
+    calls.clear()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    model(token)
+    stacked = stacked_products(hidden, projections)
+    assert {name for name, _ in calls} == set(OPS)
+    for got, projection in zip(stacked, projections):
+        torch.testing.assert_close(got, torch.nn.functional.linear(hidden, projection.weight, projection.bias))
+
+
+def test_an_mlp_without_silu_keeps_its_class():
+    model = patch_gemv(tiny_model("llama", hidden_act="gelu"))
+    assert all(type(layer.mlp).__name__ == "LlamaMLP" for layer in model.model.layers)
+    assert type(model.model.layers[0].mlp.gate_proj) is GemvLinear
+
+
 def test_autocast_other_dtypes_and_tensor_subclasses_keep_f_linear(monkeypatch):
-    calls = counting_gemv(monkeypatch)
+    calls = counting_ops(monkeypatch)
     linear = patch_gemv(torch.nn.Linear(8, 4))
     with torch.autocast("cpu", torch.bfloat16):
         assert linear(torch.randn(1, 8)).dtype == torch.bfloat16
@@ -70,7 +120,7 @@ def test_autocast_other_dtypes_and_tensor_subclasses_keep_f_linear(monkeypatch):
     assert calls == []
     linear.weight = torch.nn.Parameter(torch.randn(4, 8))
     linear(torch.randn(1, 1, 8))
-    assert calls == [(4, 8)]
+    assert calls == [("gemv", (4, 8))]
 
 
 class Subclass(torch.Tensor):

@@ -1,6 +1,6 @@
 """How fast the weights' matrix-vector products of one batch-1 decode step can be (GPU).
 
-    python benchmarks/diagnostics/gemv_bandwidth.py [--model llama-3.1-8b qwen3-8b] [--out DIR]
+    python benchmarks/diagnostics/gemv_bandwidth.py [--model llama-3.1-8b qwen3-8b] [--out DIR] [--steps-only]
 
 Why: issue 4 asks the compiled PN-Mix step to reach 75% of its bandwidth floor at 32K, and the
 floor is mostly weights (15.0 GB at Llama-3.1-8B's shape). In the profiles of ``bench_decode.py``
@@ -16,11 +16,15 @@ the other in one CUDA graph (each weight read once, as in a step, so nothing is 
 - ``library`` / ``library-fused``: the launcher behind ``torch.ops.pnmix.gemv`` (``triton_gemv`` of
   ``kernels/gemv.py``, called directly: the kernel that :func:`pnmix_patch.patch_gemv` routes one-token
   products to, one row per program, its block and warps fixed from this sweep; inside a CUDA graph
-  the op adds no GPU time).
+  the op adds no GPU time);
+- ``library-ops`` (fused steps only): what :func:`pnmix_patch.patch_gemv` runs, each weight its own
+  tensor: q, k and v in one ``triton_gemv_stacked`` launch, gate, up and the SiLU in one
+  ``triton_gemv_swiglu``, o and down and the LM head through ``triton_gemv``.
 
 It also times each distinct weight shape alone (cycling through enough copies to defeat L2) and
 reports GB/s and the fraction of the copy bandwidth measured in the same run. Every Triton result
-is checked against float32 products first. Writes ``gemv_bandwidth.json`` under ``--out``.
+is checked against float32 products first. ``--steps-only`` skips the per-shape timing and the sweep
+(the ``triton`` columns). Writes ``gemv_bandwidth[_steps].json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -43,6 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_attention import copy_bandwidth  # noqa: E402
 
 from pnmix_patch.kernels.gemv import triton_gemv as library_gemv  # noqa: E402
+from pnmix_patch.kernels.gemv import triton_gemv_stacked  # noqa: E402
+from pnmix_patch.kernels.gemv_swiglu import triton_gemv_swiglu  # noqa: E402
 from pnmix_patch.planner import MODEL_SHAPES  # noqa: E402
 
 CONFIGS = [(n, k, w) for n, k, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8)) if n * k <= 8192]
@@ -73,11 +80,16 @@ def sweep_gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, config) -> t
     return out
 
 
-def layer_shapes(shape: dict, fused: bool) -> list[tuple[str, int, int]]:
-    """(name, N, K) of one layer's projections."""
+def projection_sizes(shape: dict) -> tuple[int, int, int, int]:
+    """(hidden, intermediate, q rows, k and v rows) of a model shape."""
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
     head_dim = shape.get("head_dim", hidden // shape["num_attention_heads"])
-    q, kv = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    return hidden, inter, shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+
+
+def layer_shapes(shape: dict, fused: bool) -> list[tuple[str, int, int]]:
+    """(name, N, K) of one layer's projections."""
+    hidden, inter, q, kv = projection_sizes(shape)
     attention = [("qkv", q + 2 * kv, hidden)] if fused else [("q", q, hidden), ("k", kv, hidden), ("v", kv, hidden)]
     mlp = [("gate_up", 2 * inter, hidden)] if fused else [("gate", inter, hidden), ("up", inter, hidden)]
     return attention + [("o", hidden, q)] + mlp + [("down", hidden, inter)]
@@ -136,26 +148,53 @@ def time_shape(n: int, k: int, device, configs) -> dict:
     return row
 
 
-def time_step(shape: dict, device, fused: bool, best: dict) -> dict:
-    """Every projection of every layer and the LM head, in order, cuBLAS then Triton (each shape's best config)."""
+def time_step(shape: dict, device, fused: bool, best: dict | None) -> dict:
+    """Every projection of every layer and the LM head, in order: cuBLAS, the sweep's best config per
+    shape (unless ``best`` is None), the library kernel; fused, also the library's ops on separate weights."""
     projections = layer_shapes(shape, fused) * shape["num_hidden_layers"] + [("lm_head", shape["vocab_size"], shape["hidden_size"])]
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02 for _, n, k in projections]
     inputs = {k: torch.randn(1, k, device=device, dtype=torch.bfloat16) for _, _, k in projections}
     outputs = {n: torch.empty(n, device=device, dtype=torch.bfloat16) for _, n, _ in projections}
     total = sum(w.numel() * 2 for w in weights)
-    cublas = graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])
-    triton_ms = graph_ms(lambda: [sweep_gemv(inputs[w.shape[1]][0], w, outputs[w.shape[0]], best[tuple(w.shape)]) for w in weights])
-    library_ms = graph_ms(lambda: [library_gemv(inputs[w.shape[1]][0], w) for w in weights])
+    row = {"fused": fused, "products": len(projections), "weight_bytes": total,
+           "cublas_ms": graph_ms(lambda: [F.linear(inputs[w.shape[1]], w) for w in weights])}  # fmt: skip
+    if best is not None:
+        row["triton_ms"] = graph_ms(lambda: [sweep_gemv(inputs[w.shape[1]][0], w, outputs[w.shape[0]], best[tuple(w.shape)]) for w in weights])
+    row["library_ms"] = graph_ms(lambda: [library_gemv(inputs[w.shape[1]][0], w) for w in weights])
+    if fused:
+        row["library_ops_ms"] = library_ops_ms(shape, weights, inputs)
     del weights
     torch.cuda.empty_cache()
-    return {"fused": fused, "products": len(projections), "weight_bytes": total, "cublas_ms": cublas, "triton_ms": triton_ms,
-            "library_ms": library_ms}
+    return row
+
+
+def library_ops_ms(shape: dict, weights: list[torch.Tensor], inputs: dict) -> float:
+    """The fused step's weights split back into q, k, v and gate, up views (contiguous row ranges),
+    timed as ``patch_gemv`` runs them; its results are checked against ``F.linear`` first."""
+    hidden, inter, q, kv = projection_sizes(shape)
+    layers = [weights[i:i + 4] for i in range(0, len(weights) - 1, 4)]
+    hidden_x, inter_x = inputs[hidden][0], inputs[inter][0]
+
+    def step():
+        for qkv, o, gate_up, down in layers:
+            triton_gemv_stacked(hidden_x, list(qkv.split([q, kv, kv])), [])
+            library_gemv(inputs[o.shape[1]][0], o)
+            triton_gemv_swiglu(hidden_x, gate_up[:inter], gate_up[inter:])
+            library_gemv(inter_x, down)
+        library_gemv(hidden_x, weights[-1])
+
+    qkv, _, gate_up, _ = layers[0]
+    check(triton_gemv_stacked(hidden_x, list(qkv.split([q, kv, kv])), []), qkv.float() @ hidden_x.float(), "stacked", *qkv.shape)
+    want = F.silu(gate_up[:inter].float() @ hidden_x.float()) * (gate_up[inter:].float() @ hidden_x.float())
+    check(triton_gemv_swiglu(hidden_x, gate_up[:inter], gate_up[inter:]), want, "swiglu", inter, gate_up.shape[1])
+    return graph_ms(step)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(MODEL_SHAPES))
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    parser.add_argument("--steps-only", action="store_true", help="only the whole-step rows, without the sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
@@ -171,7 +210,7 @@ def main() -> None:
         distinct = sorted({(n, k) for fused in (False, True) for _, n, k in layer_shapes(shape, fused)}
                           | {(shape["vocab_size"], shape["hidden_size"])})
         shapes = []
-        for n, k in distinct:
+        for n, k in [] if args.steps_only else distinct:
             row = time_shape(n, k, device, CONFIGS)
             for key in ("cublas", "triton_best", "library"):
                 row[f"{key}_fraction_of_copy"] = row["bytes"] / (row[f"{key}_us"] * 1e-6) / bandwidth
@@ -180,18 +219,18 @@ def main() -> None:
                   f" library {row['library_us']:7.1f} us ({row['library_fraction_of_copy']:5.1%})",
                   flush=True)
             shapes.append(row)
-        best = {(row["N"], row["K"]): tuple(int(v) for v in row["triton_best"].split(",")) for row in shapes}
+        best = None if args.steps_only else {(row["N"], row["K"]): tuple(int(v) for v in row["triton_best"].split(",")) for row in shapes}
         steps = []
         for fused in (False, True):
             step = time_step(shape, device, fused, best)
             step["floor_ms"] = step["weight_bytes"] / bandwidth * 1e3
             print(f"  {name} step ({'fused' if fused else 'unfused'}, {step['products']} products, {step['weight_bytes'] / 1e9:.2f} GB):"
-                  f" cuBLAS {step['cublas_ms']:.3f} ms, Triton {step['triton_ms']:.3f} ms, library {step['library_ms']:.3f} ms,"
-                  f" floor {step['floor_ms']:.3f} ms", flush=True)
+                  f" cuBLAS {step['cublas_ms']:.3f} ms, Triton {step.get('triton_ms', math.nan):.3f} ms, library {step['library_ms']:.3f} ms,"
+                  f" library ops {step.get('library_ops_ms', math.nan):.3f} ms, floor {step['floor_ms']:.3f} ms", flush=True)
             steps.append(step)
         report["models"][name] = {"shapes": shapes, "steps": steps}
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "gemv_bandwidth.json").write_text(json.dumps(report, indent=1))
+        (Path(args.out) / f"gemv_bandwidth{'_steps' if args.steps_only else ''}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
