@@ -75,9 +75,9 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K
     tl.store(y_ptr + row, y.to(y_ptr.dtype.element_ty))
 
 
-def block_for(k: int) -> tuple[int, bool]:
-    """``(BLOCK_K, EVEN_K)`` of a one-token product over ``k`` columns."""
-    block = min(BLOCK_K, triton.next_power_of_2(max(k, 1)))
+def block_for(k: int, block_k: int = BLOCK_K) -> tuple[int, bool]:
+    """``(BLOCK_K, EVEN_K)`` of a one-token product over ``k`` columns, read ``block_k`` at a time at most."""
+    block = min(block_k, triton.next_power_of_2(max(k, 1)))
     return block, k % block == 0
 
 
