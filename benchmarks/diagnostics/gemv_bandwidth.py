@@ -190,6 +190,17 @@ def library_ops_ms(shape: dict, weights: list[torch.Tensor], inputs: dict) -> fl
     return graph_ms(step)
 
 
+def run_header(device) -> dict:
+    """The report's first fields: device, versions, commit and the copy bandwidth measured now (printed)."""
+    bandwidth = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
+    return {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", nargs="+", default=["llama-3.1-8b", "qwen3-8b"], choices=list(MODEL_SHAPES))
@@ -197,14 +208,8 @@ def main() -> None:
     parser.add_argument("--steps-only", action="store_true", help="only the whole-step rows, without the sweep")
     args = parser.parse_args()
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
-    report = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "configs": CONFIGS, "models": {},
-    }  # fmt: skip
+    report = run_header(device) | {"configs": CONFIGS, "models": {}}
+    bandwidth = report["copy_bandwidth_bytes_per_s"]
     for name in args.model:
         shape = MODEL_SHAPES[name]
         distinct = sorted({(n, k) for fused in (False, True) for _, n, k in layer_shapes(shape, fused)}

@@ -23,19 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import copy_bandwidth  # noqa: E402
-from gemv_bandwidth import check, graph_ms, projection_sizes  # noqa: E402
+from gemv_bandwidth import check, graph_ms, projection_sizes, run_header  # noqa: E402
 
 from pnmix_patch.kernels.gemv import _gemv_kernel, triton_gemv  # noqa: E402
 from pnmix_patch.kernels.gemv_swiglu import _gemv_swiglu_kernel  # noqa: E402
@@ -124,14 +120,8 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
     args = parser.parse_args()
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
-    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e9:,.0f} GB/s (read + write)", flush=True)
-    report = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "python": platform.python_version(), "copy_bandwidth_bytes_per_s": bandwidth,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "models": {},
-    }  # fmt: skip
+    report = run_header(device) | {"models": {}}
+    bandwidth = report["copy_bandwidth_bytes_per_s"]
     for name in args.model:
         print(name, flush=True)
         report["models"][name] = time_groups(MODEL_SHAPES[name], device, bandwidth)
