@@ -128,8 +128,10 @@ def fused_projection_forward(self, hidden_states, position_embeddings=None, atte
     query, key = self._bench_rotary(query, key, *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
-    output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      self._bench_adapter.module.eager_attention_forward)  # fmt: skip
+    output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                          sliding_window=getattr(self, "sliding_window", None), **kwargs)  # fmt: skip
     return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 
@@ -283,6 +285,8 @@ def check_gemv_products(device) -> dict:
             print(f"  patch_gemv vs cuBLAS, tiny {config.model_type} bf16, {variant}: {result}", flush=True)
             if not all(used.values()):
                 raise AssertionError(f"{config.model_type} {variant}: the fused ops were not called: {used}")
+            if result["max_abs_logit_difference"] > 0.05 * result["logit_scale"] or result["same_argmax_fraction"] < 1:
+                raise AssertionError(f"{config.model_type} {variant}: patch_gemv's logits differ from cuBLAS's: {result}")
             results[f"{config.model_type}-{variant}"] = result
             del model
     return results
@@ -544,7 +548,9 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
             prefill(model, cache, name)
             yield "pnmix-eager", context, model.forward, cache, fill_pnmix(cache, context)
             del cache
-        unpatch_model(model)
+        unpatch_model(model)  # the model's own attention forward back: fuse its projections again
+        if gemv:
+            fuse_projections(model)
 
     # Timing first, for every row, with no profiler yet in the process: once torch.profiler has
     # traced CUDA activity, replaying a CUDA graph costs more host time (measured by

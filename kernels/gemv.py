@@ -15,8 +15,9 @@ in flight per program).
 
 The same kernel serves up to three weights stacked in one launch (``torch.ops.pnmix.gemv_stacked``:
 a layer's q, k and v projections, read as one ``[N_q + 2 N_kv, K]`` product without concatenating
-the weights): a step then pays one launch and one tail instead of three, measured as the "fused"
-rows of ``gemv_bandwidth.py``.
+the weights): a step then pays one launch and one tail instead of three. On an H200
+(``benchmarks/diagnostics/gemv_fused_sweep.py``) Llama-3.1-8B's q/k/v took 14.5 us stacked, as long as
+one concatenated weight, against 19.0 us in three launches.
 
 Registered as ``torch.ops.pnmix.gemv`` (``custom_op`` + ``register_fake``, and a backward so that a
 patched model still trains) and ``torch.ops.pnmix.gemv_stacked`` (inference only): CPU and other

@@ -15,7 +15,9 @@ instance: Dynamo guards a module's type anyway, while an instance attribute woul
 layer to every compiled call. ``unpatch_gemv`` gives the modules their class back.
 
 Products that read the same token are also fused, one launch instead of two or three (fewer
-launches and kernel tails per step), when no gradient is needed (the fused ops have no backward):
+launches and kernel tails per step), when no gradient is needed (the fused ops have no backward)
+and none of the layers has a forward hook (a user's, or accelerate's CPU offload, which moves a
+layer's weights in when the layer is called: such layers are called one by one):
 
 - the gated MLP of a supported architecture (``mlp_class`` of its adapter in ``pnmix_patch.patches``,
   with a SiLU activation) becomes a subclass whose forward reads the gate and up weights and applies
@@ -29,9 +31,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
 from transformers.activations import SiLUActivation
 
-from .kernels.gemv import gemv, gemv_stacked
+from .kernels.gemv import MAX_STACKED, gemv, gemv_stacked
 from .kernels.gemv_swiglu import gemv_swiglu
 
 
@@ -43,11 +46,20 @@ def _one_token(x: torch.Tensor, linear: torch.nn.Linear) -> bool:
             and not torch.is_autocast_enabled(x.device.type))  # fmt: skip
 
 
+def _unhooked(module: torch.nn.Module) -> bool:
+    """No forward hook would run on ``module``'s call: none of its own, no global one, and no accelerate
+    hook (``_hf_hook``: CPU offload moves the weights in only when the layer itself is called)."""
+    hooks = module._forward_hooks or module._forward_pre_hooks or _global_forward_hooks or _global_forward_pre_hooks
+    return not hooks and not hasattr(module, "_hf_hook")
+
+
 def _fusable(x: torch.Tensor, linears) -> bool:
-    """One launch may serve all of ``linears`` on ``x``: each is a :class:`GemvLinear` that would send
-    ``x`` to the op, they all have a bias or none does, and no gradient is needed."""
+    """One launch may serve all of ``linears`` on ``x``: 1 to ``MAX_STACKED`` layers, each a
+    :class:`GemvLinear` that would send ``x`` to the op and has no hook (a fused launch never calls the
+    layers, so their hooks could not run), they all have a bias or none does, and no gradient is needed."""
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in linears for p in m.parameters()))
-    return (not wants_grad and all(type(m) is GemvLinear and _one_token(x, m) for m in linears)
+    return (not wants_grad and 1 <= len(linears) <= MAX_STACKED
+            and all(type(m) is GemvLinear and _one_token(x, m) and _unhooked(m) for m in linears)
             and len({m.bias is None for m in linears}) == 1)  # fmt: skip
 
 
@@ -64,8 +76,8 @@ class GemvLinear(torch.nn.Linear):
 
 def stacked_products(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``, in one launch of ``pnmix::gemv_stacked`` when ``x`` is
-    one token, every layer a :class:`GemvLinear` and no gradient is needed (1 to 3 layers of one
-    input size, e.g. an attention's q, k and v projections)."""
+    one token, every layer an unhooked :class:`GemvLinear` and no gradient is needed (1 to 3 layers of
+    one input size, e.g. an attention's q, k and v projections; more are called one by one)."""
     if not _fusable(x, linears):
         return tuple(linear(x) for linear in linears)
     biases = [] if linears[0].bias is None else [linear.bias for linear in linears]
@@ -101,7 +113,7 @@ def _gated_mlp_class(model: torch.nn.Module) -> type | None:
     from .patches import PATCHES  # here, not at import: the adapters import this module
 
     config = getattr(model, "config", None)
-    text_config = config.get_text_config(decoder=True) if config is not None else None
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
     adapter = PATCHES.get(getattr(text_config, "model_type", None))
     return getattr(adapter.module, adapter.mlp_class) if adapter is not None else None
 

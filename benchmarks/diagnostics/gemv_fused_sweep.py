@@ -77,7 +77,7 @@ def time_groups(shape: dict, device, bandwidth: float) -> dict:
     nbytes = 2 * (q + 2 * kv) * hidden
     copies = max(4, -(-PASS_BYTES // nbytes))
     groups = [[torch.randn(n, hidden, device=device, dtype=torch.bfloat16) for n in (q, kv, kv)] for _ in range(copies)]
-    concatenated = [torch.cat(group) for group in groups[:copies]]
+    concatenated = [torch.cat(group) for group in groups]
     out = torch.empty(q + 2 * kv, device=device, dtype=torch.bfloat16)
     want = concatenated[0].float() @ x.float()
     print(f"  q/k/v [{q} + {kv} + {kv}, {hidden}], {copies} copies", flush=True)

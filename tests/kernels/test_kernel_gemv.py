@@ -90,7 +90,7 @@ def test_gemv_op_rejects_bad_inputs(x, weight, bias, error, message):
 
 
 # Rows of each stacked weight: one to three weights, single rows, uneven sizes (q, k, v-like).
-STACKS = [(3,), (2, 5), (4, 1, 3), (1, 1, 1)]
+STACKS = [(3,), (2, 5), (4, 1, 3), (1, 1, 1), (4, 0, 3), (0, 2), (2, 0)]  # a weight of no rows anywhere in a stack
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
