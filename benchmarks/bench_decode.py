@@ -42,6 +42,11 @@ synchronized steps taking turns of ``--turn`` steps in one loop, the first ``--u
 turn not timed (two model instances, 100 timed steps each; see :func:`time_interleaved`): the rows timed one after the other let the host time of a
 ``reduce-overhead`` call drift between them by more than the difference being measured.
 
+``--pdl-ab`` (with ``--interleaved --paths graphed``) also captures each step with the library's kernels
+launched without programmatic dependent launch (``pnmix_patch.kernels.common.PDL``), the four graphs
+taking turns. Inductor's own kernels launch with PDL when ``TORCHINDUCTOR_ENABLE_PDL=1`` is set (the
+report records both settings).
+
 ``--gemv`` routes every variant's one-token linear products (bf16's too, so the ratios stay fair) through
 ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
 The MLP's gate, up and SiLU run in one launch (``pnmix::gemv_swiglu``) and q, k and v in another
@@ -77,6 +82,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
@@ -84,6 +90,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+import pnmix_patch.kernels.common as kernels_common
 import pnmix_patch.linear
 from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
@@ -128,8 +135,7 @@ def fused_projection_forward(self, hidden_states, position_embeddings=None, atte
     query, key = self._bench_rotary(query, key, *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
-                                                      self._bench_adapter.module.eager_attention_forward)  # fmt: skip
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._bench_eager_attention)
     output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
                           sliding_window=getattr(self, "sliding_window", None), **kwargs)  # fmt: skip
     return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
@@ -143,6 +149,7 @@ def fuse_projections(model) -> None:
     for module in model.modules():
         if isinstance(module, adapter.attention_type()):
             module._bench_adapter, module._bench_rotary = adapter, adapter.rotary()
+            module._bench_eager_attention = adapter.module.eager_attention_forward  # resolved here: Dynamo cannot trace the import
             module.forward = types.MethodType(fused_projection_forward, module)
 
 
@@ -585,7 +592,7 @@ def own_forward(model) -> None:
 
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
-                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False) -> list[dict]:
+                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False) -> list[dict]:
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -597,27 +604,40 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     step has a code object of its own (:func:`own_forward`): one Dynamo entry, as after the reset that
     :func:`time_model` does before each compile. Automatic dynamic shapes are off, so bf16's step for
     a new static size compiles static, as it would alone. The PN-Mix row also has the ratio of the
-    medians and the median of the per-turn ratios (of each turn's median)."""
+    medians and the median of the per-turn ratios (of each turn's median).
+
+    ``pdl_ab`` (graphed path only): each model's step is captured twice from the same compiled code,
+    with the library's kernels launched with programmatic dependent launch (``kernels.common.PDL``,
+    the default) and without (variants ``...-nopdl``); the four graphs take turns on the two caches
+    (each replay advances its model's cache by a token), and each PDL row gets its ratio to the
+    same model's row without PDL."""
     bf16_model, weight_bytes = random_model(model_name, device, gemv)
     pnmix_model, _ = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
     patch_model(pnmix_model, "pnmix-1")
     name = cache_arg(bf16_model)
-    steps_per_row = steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS
+    settings = (True, False) if pdl_ab else (True,)
+    steps_per_row = len(settings) * (steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS + GRAPH_SETUP_STEPS)
     static = new_cache(pnmix_model, max(contexts) + PROMPT + steps_per_row, static=True)
     prefill(pnmix_model, static, name)
     rows = []
 
-    def compiled_step(model, cache, path):
-        own_forward(model)
+    def compiled_step(model, cache, path, pdl=True):
         if path == "reduce-overhead":
+            own_forward(model)
             return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-        return graphed_forward(model, cache, reset=False)
+        if not pdl_ab:
+            own_forward(model)
+            return graphed_forward(model, cache, reset=False)
+        return captured_step(model, cache, pdl)
 
     for path in paths:
         torch._dynamo.reset()
         variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
-        pnmix_forward = None  # one step serves every context: reset() keeps the cache's addresses
+        pnmix_forwards = {}  # one step serves every context: reset() keeps the cache's addresses
+        if pdl_ab:
+            own_forward(bf16_model)
+            own_forward(pnmix_model)
         for context in contexts:
             bf16_cache = StaticCache(config=bf16_model.config, max_cache_len=context + PROMPT + steps_per_row)
             prefill(bf16_model, bf16_cache, name)
@@ -625,30 +645,65 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             static.reset()
             prefill(pnmix_model, static, name)
             pnmix_bytes = fill_pnmix(static, context)
-            bf16_forward = compiled_step(bf16_model, bf16_cache, path)  # a new compile per static size
-            pnmix_forward = pnmix_forward or compiled_step(pnmix_model, static, path)
-            runs = [(bf16_forward, bf16_model, bf16_cache), (pnmix_forward, pnmix_model, static)]
+            runs, labels, cache_bytes = [], [], []
+            for pdl in settings:
+                suffix = "" if pdl else "-nopdl"
+                bf16_forward = compiled_step(bf16_model, bf16_cache, path, pdl)  # a new compile per static size
+                if pdl not in pnmix_forwards:
+                    pnmix_forwards[pdl] = compiled_step(pnmix_model, static, path, pdl)
+                runs += [(bf16_forward, bf16_model, bf16_cache), (pnmix_forwards[pdl], pnmix_model, static)]
+                labels += [variants[0] + suffix, variants[1] + suffix]
+                cache_bytes += [bf16_bytes, pnmix_bytes]
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
                 pipelined = [pipelined_host_time(*run, name) for run in runs]
-            pair = [
-                timing_row(model_name, variant, context, variant_timed, weight_bytes, cache_bytes, bandwidth,
+            group = [
+                timing_row(model_name, variant, context, variant_timed, weight_bytes, variant_bytes, bandwidth,
                            variant_pipelined, interleaved=True, turn=turn, untimed_per_turn=untimed,
                            host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]])
-                for variant, variant_timed, cache_bytes, variant_pipelined in zip(variants, timed, (bf16_bytes, pnmix_bytes), pipelined)
+                for variant, variant_timed, variant_bytes, variant_pipelined in zip(labels, timed, cache_bytes, pipelined)
             ]  # fmt: skip
-            pair[1]["ratio_to_bf16_of_medians"] = pair[1]["ms_per_token"] / pair[0]["ms_per_token"]
             turn_ms = [[statistics.median(t["ms"][i] for i in indices) for indices in t["turns"]] for t in timed]
-            pair[1]["ratio_to_bf16_median_of_turns"] = statistics.median(p / b for p, b in zip(turn_ms[1], turn_ms[0]))
-            print(f"  {model_name} {path} T={context}: PN-Mix / bf16 {pair[1]['ratio_to_bf16_of_medians']:.3f} "
-                  f"(median of {len(turn_ms[1])} turns' ratios {pair[1]['ratio_to_bf16_median_of_turns']:.3f})", flush=True)
-            for row in pair:
+
+            def ratios(index, baseline, key):
+                group[index][f"ratio_to_{key}_of_medians"] = group[index]["ms_per_token"] / group[baseline]["ms_per_token"]
+                group[index][f"ratio_to_{key}_median_of_turns"] = statistics.median(
+                    a / b for a, b in zip(turn_ms[index], turn_ms[baseline]))
+                print(f"  {model_name} {path} T={context}: {group[index]['variant']} / {group[baseline]['variant']} "
+                      f"{group[index][f'ratio_to_{key}_of_medians']:.3f} (median of {len(turn_ms[index])} turns' ratios "
+                      f"{group[index][f'ratio_to_{key}_median_of_turns']:.3f})", flush=True)  # fmt: skip
+
+            for index in range(1, len(group), 2):
+                ratios(index, index - 1, "bf16")
+            for index in range(2 if pdl_ab else 0):
+                ratios(index, index + 2, "nopdl")
+            for row in group:
                 print(f"    host time by step of a turn, {row['variant']} (us): "
                       + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]), flush=True)
-            rows += pair
+            rows += group
             del bf16_forward, bf16_cache, runs
             torch.cuda.empty_cache()
     return rows
+
+
+GRAPH_SETUP_STEPS = 3
+"""Decode steps a :class:`~pnmix_patch.GraphedDecodeStep` runs before its first replay (2 warm-ups, the capture)."""
+
+
+def captured_step(model, cache, pdl: bool):
+    """:func:`graphed_forward` of ``model`` on ``cache`` (its current Dynamo entry, no reset), captured
+    now with the library's kernels launched with programmatic dependent launch or not (``pdl``,
+    ``kernels.common.PDL``, read when a launch is recorded)."""
+    forward = graphed_forward(model, cache, reset=False)
+    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    kernels_common.PDL = pdl
+    try:
+        with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+            for _ in range(GRAPH_SETUP_STEPS):
+                forward(input_ids=token)
+    finally:
+        kernels_common.PDL = True
+    return forward
 
 
 def main() -> None:
@@ -669,12 +724,16 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
     parser.add_argument("--gemv", action="store_true",
                         help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too")
+    parser.add_argument("--pdl-ab", action="store_true",
+                        help="with --interleaved --paths graphed: each step also captured with the library's kernels launched without PDL")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
     if args.interleaved and (args.profile or args.graphed or args.compiled_only):
         parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
+    if args.pdl_ab and (not args.interleaved or args.paths != ["graphed"]):
+        parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
     if (args.turn != TURN or args.untimed is not None) and not args.interleaved:
         parser.error("--turn and --untimed: allowed only with --interleaved")
     if args.untimed is None:
@@ -701,7 +760,7 @@ def main() -> None:
     for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
-                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv)
+                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab)
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
                                args.gemv)
@@ -709,7 +768,8 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
             "command": "python " + " ".join(sys.argv),
-            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "checks": checks, "timings": rows,
+            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl": kernels_common.PDL,
+            "inductor_pdl": getattr(torch._inductor.config.triton, "enable_pdl", None), "checks": checks, "timings": rows,
         }  # fmt: skip
         path.write_text(json.dumps(report, indent=2))
 

@@ -15,9 +15,16 @@ exactly (see that module's docstring for the formulas):
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+PDL = True
+"""Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
+and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
+it (compute capability 9.0 and up, :func:`launch_pdl`). A benchmark sets it to False to time both ways."""
 
 
 @triton.jit
@@ -69,3 +76,31 @@ def nonempty(tensor: torch.Tensor) -> torch.Tensor:
     is masked or sits in a zero-trip loop), so any valid pointer does.
     """
     return tensor if tensor.numel() else tensor.new_zeros((1,) * tensor.dim())
+
+
+@functools.cache
+def _has_pdl(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def launch_pdl(tensor: torch.Tensor) -> bool:
+    """Whether a kernel working on ``tensor`` launches with programmatic dependent launch (PDL).
+
+    At batch 1 a decode step is a chain of a few hundred short kernels, and each waits for the one
+    before it to finish and for its own launch. Launched with PDL (``launch_pdl=True``), a kernel's
+    programs may start as soon as every program of the previous kernel has started (or, after a
+    kernel that does not signal, finished); they then wait in :func:`wait_for_previous_kernel` until
+    that kernel's writes are visible. True for CUDA tensors on a GPU of compute capability 9.0 and up
+    while :data:`PDL` is set."""
+    return PDL and tensor.is_cuda and _has_pdl(tensor.device.index)
+
+
+@triton.jit
+def wait_for_previous_kernel(PDL: tl.constexpr):
+    """With ``PDL`` (the kernel launched with ``launch_pdl=True``, see :func:`launch_pdl`): let the next
+    kernel launch once every program of this one has got here, then wait until the previous kernel
+    has finished and its writes are visible. Call it before the first load or store of memory that
+    another kernel writes or reads: every input but constants such as weights, and every output."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()

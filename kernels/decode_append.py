@@ -35,7 +35,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, quantize_values
 
-from .common import nonempty
+from .common import launch_pdl, nonempty, wait_for_previous_kernel
 from .pack_keys import pack_key_group
 from .pack_values import BLOCK_T, pack_value_tokens, value_layout
 
@@ -65,10 +65,11 @@ def _append_token_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
     GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr, BITS: tl.constexpr,
-    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    wait_for_previous_kernel(PDL)
     sink_len = tl.load(sink_len_ptr + b)
     residual_len = tl.load(res_len_ptr + b)
     num_groups = tl.load(num_groups_ptr + b)
@@ -143,6 +144,7 @@ def triton_decode_append(
     high, low = nonempty(key_codes_high), nonempty(key_codes_low)
     k_scale, k_zero, v_codes = nonempty(key_scale), nonempty(key_zero), nonempty(value_codes)
     v_scale, v_zero = nonempty(value_scale), nonempty(value_zero)
+    pdl = launch_pdl(key)
     _append_token_kernel[(batch, heads)](
         key, value, order, sinks_k, sinks_v, sink_len,
         residual_k, residual_v, residual_len,
@@ -158,7 +160,7 @@ def triton_decode_append(
         NUM_HIGH=key_codes_high.shape[-1], G=group_size,
         BITS_HIGH=key_codes_high.shape[3], BITS_LOW=key_codes_low.shape[3],
         **value_layout(head_dim, value_scale.shape[-1], value_codes.shape[3]),  # D, GV, ...
-        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
+        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, PDL=pdl, launch_pdl=pdl,
         enable_fp_fusion=False,  # the quantizers' codes must match torch (kernels/common.py)
     )  # fmt: skip
 

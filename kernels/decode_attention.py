@@ -57,7 +57,7 @@ import triton.language as tl
 from pnmix_patch.attention import masked_attention
 from pnmix_patch.quantize import dequantize_keys, dequantize_values
 
-from .common import nonempty
+from .common import launch_pdl, nonempty, wait_for_previous_kernel
 
 BLOCK_N_DENSE = 64
 """Tokens per step over sinks and residual."""
@@ -111,7 +111,7 @@ def _decode_split_kernel(
     RATIO: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     G: tl.constexpr, C_HIGH: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
     BITS_V: tl.constexpr, GV: tl.constexpr,
-    BLOCK_N_DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N_DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -128,6 +128,7 @@ def _decode_split_kernel(
 
     # Scores in the log2 domain: fold softmax scaling * log2(e) into the query.
     q_rows = query_ptr + b * s_qb + heads_q[:, None] * s_qh
+    wait_for_previous_kernel(PDL)
     q = tl.load(q_rows + offs_d[None, :], mask=qd_mask, other=0.0).to(tl.float32) * qk_scale
     order = tl.load(order_ptr + b * s_ob + h * s_oh + offs_d, mask=d_mask, other=0)
     q_stored = tl.load(q_rows + order[None, :], mask=qd_mask, other=0.0).to(tl.float32) * qk_scale
@@ -219,7 +220,7 @@ def _decode_split_kernel(
 def _decode_combine_kernel(
     m_ptr, l_ptr, acc_ptr, out_ptr, overflow_ptr, num_q_heads, num_splits,
     s_ob, s_oh, s_od,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; zeros for no
     valid token, NaN where a split's sum is NaN (a non-finite cached value) and for a sequence
@@ -231,6 +232,7 @@ def _decode_combine_kernel(
     s_mask = offs_s < num_splits
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < D
+    wait_for_previous_kernel(PDL)
 
     m = tl.load(m_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
     l = tl.load(l_ptr + row * num_splits + offs_s, mask=s_mask, other=0.0)
@@ -366,6 +368,7 @@ def split_and_merge(
     ]
     query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero = tensors[:8]
     value_codes, value_scale, value_zero, residual_keys, residual_values = tensors[8:]
+    pdl = launch_pdl(query)
     split_kernel[(batch * heads, num_splits)](
         query, order, sink_keys, sink_values, sink_len,
         key_codes_high, key_codes_low, key_scale, key_zero,
@@ -374,12 +377,12 @@ def split_and_merge(
         m, l, acc,
         scaling * math.log2(math.e), heads, num_splits, *capacities,
         *(stride for t in tensors for stride in t.stride()[:2]),
-        **constants,
+        PDL=pdl, launch_pdl=pdl, **constants,
     )
     _decode_combine_kernel[(batch * q_heads,)](
         m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
         D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
-        HAS_OVERFLOW=overflowed is not None,
+        HAS_OVERFLOW=overflowed is not None, PDL=pdl, launch_pdl=pdl,
     )
     return out
 

@@ -337,6 +337,14 @@ prmt.b32 $0, t0, t1, 0x5410;
 
 
 @gluon.jit
+def _wait_for_previous_kernel(PDL: gl.constexpr):
+    """``kernels.common.wait_for_previous_kernel`` in Gluon (``griddepcontrol``, for a launch with PDL)."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], gl.int32, False, 1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], gl.int32, False, 1)
+
+
+@gluon.jit
 def _int8(x):
     """The int8 in the low byte of float32 ``x`` (a part from :func:`_split_8bit`), four per
     :data:`PACK_ASM`. Not ``.to(gl.int32, bitcast=True).to(gl.int8)``: after a ``gl.where`` of two
@@ -557,7 +565,7 @@ def _decode_split_kernel_mma(
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
-    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr,
+    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr, PDL: gl.constexpr = False,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -579,6 +587,7 @@ def _decode_split_kernel_mma(
     d_b = gl.arange(0, D, layout=gl.SliceLayout(1, B))
     head_b = gl.expand_dims(gl.arange(0, BLOCK_Q, layout=gl.SliceLayout(0, B)) // (BLOCK_Q // QUERY_ROWS), 0)
     q_cols = query_ptr + b * s_qb + (h * RATIO + head_b) * s_qh + gl.expand_dims(d_b, 1)
+    _wait_for_previous_kernel(PDL)
     q_natural = (gl.load(q_cols, mask=head_b < RATIO, other=0.0).to(gl.float32) * qk_scale).to(dtype)
 
     m_i = gl.full([QUERY_ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, SCORES))

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .common import launch_pdl, wait_for_previous_kernel
+
 BLOCK_K = 1024
 """Elements of a row read per iteration. In ``gemv_bandwidth.py``'s sweep (256, 512 or 1024 columns, 1 to
 16 rows per program, 4 or 8 warps) one row per program won for every weight shape of the two 8B
@@ -51,7 +53,7 @@ MAX_STACKED = 3
 
 @triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K, END0, END1,
-                 HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                 HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     # y = [W0; W1; W2] x (+ [b0; b1; b2]), one row per program: rows [0, END0) of y come from W0,
     # [END0, END1) from W1, the rest from W2 (one weight: END0 = END1 = N). The weight is picked
     # with selects, not branches, so that the row pointer keeps its known 16-byte alignment.
@@ -62,6 +64,7 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K
     w_row = tl.where(past1, w2_ptr, tl.where(past0, w1_ptr, w0_ptr)) + local_row.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_K], tl.float32)
+    wait_for_previous_kernel(PDL)
     for start in range(0, K, BLOCK_K):
         if EVEN_K:  # no mask: the loads stay 16-byte vectors without predicates
             x = tl.load(x_ptr + start + cols).to(tl.float32)
@@ -95,11 +98,13 @@ def triton_gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     padded_biases = [b.contiguous() for b in biases] or [out]  # unread without HAS_BIAS
     padded_biases += padded_biases[:1] * (MAX_STACKED - len(padded_biases))
     block, even = block_for(k)
+    pdl = launch_pdl(x)
     end0, end1 = (list(itertools.accumulate(rows)) + [out.numel()] * MAX_STACKED)[:2]  # [N0, N0 + N1] or N
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
         _gemv_kernel[(out.numel(),)](
             x.contiguous(), *padded_weights, *padded_biases, out, k, end0, end1,
-            HAS_BIAS=bool(biases), BLOCK_K=block, EVEN_K=even, num_warps=8 if out.numel() <= FEW_ROWS else 4,
+            HAS_BIAS=bool(biases), BLOCK_K=block, EVEN_K=even, PDL=pdl, launch_pdl=pdl,
+            num_warps=8 if out.numel() <= FEW_ROWS else 4,
         )  # fmt: skip
     return out
 

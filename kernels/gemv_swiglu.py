@@ -25,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .common import launch_pdl, wait_for_previous_kernel
 from .gemv import _check, _triton_serves, block_for
 
 BLOCK_K = 512
@@ -37,12 +38,13 @@ the two weights read concatenated through ``pnmix::gemv``, with no activation, t
 
 @triton.jit
 def _gemv_swiglu_kernel(x_ptr, gate_ptr, up_ptr, gate_bias_ptr, up_bias_ptr, y_ptr, K,
-                        HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):  # fmt: skip
+                        HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     row = tl.program_id(0)
     row_start = row.to(tl.int64) * K  # the same row of both [I, K] weights
     cols = tl.arange(0, BLOCK_K)
     gate_acc = tl.zeros([BLOCK_K], tl.float32)
     up_acc = tl.zeros([BLOCK_K], tl.float32)
+    wait_for_previous_kernel(PDL)
     for start in range(0, K, BLOCK_K):
         if EVEN_K:  # no mask: the loads stay 16-byte vectors without predicates
             x = tl.load(x_ptr + start + cols).to(tl.float32)
@@ -71,10 +73,12 @@ def triton_gemv_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: to
         return out
     block, even = block_for(k, BLOCK_K)
     has_bias = gate_bias is not None
+    pdl = launch_pdl(x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
         _gemv_swiglu_kernel[(rows,)](
             x.contiguous(), gate_weight, up_weight, gate_bias.contiguous() if has_bias else out,
-            up_bias.contiguous() if has_bias else out, out, k, HAS_BIAS=has_bias, BLOCK_K=block, EVEN_K=even, num_warps=4,
+            up_bias.contiguous() if has_bias else out, out, k, HAS_BIAS=has_bias, BLOCK_K=block, EVEN_K=even,
+            PDL=pdl, launch_pdl=pdl, num_warps=4,
         )  # fmt: skip
     return out
 

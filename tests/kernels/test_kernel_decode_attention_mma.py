@@ -439,8 +439,9 @@ def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ra
     (grid, positional, keywords), = calls
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
-    options = {"num_warps", "maxnreg"}  # launch options
+    options = {"num_warps", "maxnreg", "launch_pdl"}  # launch options
     assert keywords["maxnreg"] == registers
+    assert keywords["PDL"] is keywords["launch_pdl"] is False  # CPU tensors: no programmatic dependent launch
     assert len(positional) + len(keywords) - len(options) == len(names)
     assert set(keywords) - options == set(names[len(positional):])
     assert positional[names.index("group_cap")] == args[5].shape[2]

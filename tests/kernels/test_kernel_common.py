@@ -1,0 +1,86 @@
+"""``kernels/common.py``'s programmatic dependent launch: when kernels launch with it, and that every
+kernel launched with it waits before its first access to memory (checked in its sm_90 build)."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from pnmix_patch.kernels import common
+
+
+def test_launch_pdl_only_on_cuda_tensors_of_a_hopper_or_newer_gpu(monkeypatch):
+    assert not common.launch_pdl(torch.ones(2))
+    cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
+    monkeypatch.setattr(common, "_has_pdl", lambda index: index == 0)
+    assert common.launch_pdl(cuda_tensor)
+    assert not common.launch_pdl(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
+    monkeypatch.setattr(common, "PDL", False)
+    assert not common.launch_pdl(cuda_tensor)
+
+
+I32, I64, F32 = "*i32", "*i64", "*fp32"
+KERNELS = {
+    "gemv": ("pnmix_patch.kernels.gemv", "_gemv_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=1024, EVEN_K=True)"),
+    "gemv_swiglu": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=512, EVEN_K=True)"),
+    "combine": ("pnmix_patch.kernels.decode_attention", "_decode_combine_kernel",
+                {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "overflow_ptr": "*i1"},
+                "dict(D=128, BLOCK_D=128, BLOCK_S=64, HAS_OVERFLOW=True)"),
+    "append": ("pnmix_patch.kernels.decode_append", "_append_token_kernel",
+               {"order_ptr": I64, "sink_len_ptr": I32, "res_len_ptr": I32, "high_ptr": I32, "low_ptr": I32, "vc_ptr": I32,
+                "num_groups_ptr": I32, "overflow_ptr": "*i1", "arrivals_ptr": I32},
+               "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, "
+               "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))"),
+    "split-triton": ("pnmix_patch.kernels.decode_attention", "_decode_split_kernel",
+                     {"order_ptr": I64, "kc_high_ptr": I32, "kc_low_ptr": I32, "vc_ptr": I32, "sink_len_ptr": I32,
+                      "num_groups_ptr": I32, "res_len_ptr": I32, "m_out_ptr": F32, "l_out_ptr": F32, "acc_out_ptr": F32},
+                     "dict(RATIO=4, BLOCK_Q=16, D=128, BLOCK_D=128, G=128, C_HIGH=64, BITS_HIGH=3, BITS_LOW=1, BITS_V=2, "
+                     "GV=128, BLOCK_N_DENSE=64, DOT_PRECISION='tf32')"),
+    "split-gluon": ("pnmix_patch.kernels.decode_attention_mma", "_decode_split_kernel_mma",
+                    {"order_ptr": I64, "kc_high_ptr": I32, "kc_low_ptr": I32, "vc_ptr": I32, "sink_len_ptr": I32,
+                     "num_groups_ptr": I32, "res_len_ptr": I32, "m_out_ptr": F32, "l_out_ptr": F32, "acc_out_ptr": F32},
+                    "__import__('pnmix_patch.kernels.decode_attention_mma', fromlist=['kernel_constants'])"
+                    ".kernel_constants(128, 4, 128, 64, 3, 1, 2)"),
+}
+# The first instruction of the PTX that reads or writes global memory (or shared memory from it).
+MEMORY = ("ld.global", "st.global", "atom.global", "red.global", "cp.async")
+BUILD = """
+import importlib, sys, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
+module, name, types, constants, pdl = sys.argv[1], sys.argv[2], eval(sys.argv[3]), eval(sys.argv[4]), sys.argv[5] == "1"
+kernel = getattr(importlib.import_module(module), name)
+constants["PDL"] = pdl
+signature = {n: "constexpr" if n in constants else types.get(n, "*bf16") if n.endswith("_ptr")
+             else "fp32" if n == "qk_scale" else "i32" for n in kernel.arg_names}
+source = (GluonASTSource if name.endswith("_mma") else ASTSource)(kernel, signature, constants)
+print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
+"""
+
+
+def sm90_ptx(kernel: str, pdl: bool) -> str:
+    """PTX of one of :data:`KERNELS` built for sm_90 in a process without the Triton interpreter."""
+    module, name, pointer_types, constants = KERNELS[kernel]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    command = [sys.executable, "-c", BUILD, module, name, repr(pointer_types), constants, "1" if pdl else "0"]
+    result = subprocess.run(command, env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_kernels_wait_for_the_previous_kernel_before_touching_memory(kernel):
+    """Built with ``PDL``: ``griddepcontrol.launch_dependents`` and ``griddepcontrol.wait`` come before
+    the first global load, store or atomic (else a kernel launched early could read its inputs
+    before the previous kernel has written them). Without it, neither instruction is there."""
+    ptx = sm90_ptx(kernel, pdl=True)
+    wait = ptx.find("griddepcontrol.wait")
+    first_access = min(i for i in (ptx.find(op) for op in MEMORY) if i >= 0)
+    assert 0 <= ptx.find("griddepcontrol.launch_dependents") < wait < first_access
+    assert "griddepcontrol" not in sm90_ptx(kernel, pdl=False)
