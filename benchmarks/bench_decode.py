@@ -44,8 +44,9 @@ turn not timed (two model instances, 100 timed steps each; see :func:`time_inter
 
 ``--pdl-ab`` (with ``--interleaved --paths graphed``) also captures each step with the library's kernels
 launched without programmatic dependent launch (``pnmix_patch.kernels.common.PDL``), the four graphs
-taking turns. Inductor's own kernels launch with PDL when ``TORCHINDUCTOR_ENABLE_PDL=1`` is set (the
-report records both settings).
+taking turns. With ``--inductor-pdl`` too, the PDL variants' steps are also compiled with Inductor's own
+kernels launched with PDL (``torch._inductor.config.triton.enable_pdl``), the ``-nopdl`` ones without:
+a compile of its own for each.
 
 ``--gemv`` routes every variant's one-token linear products (bf16's too, so the ratios stay fair) through
 ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
@@ -592,7 +593,8 @@ def own_forward(model) -> None:
 
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
-                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False) -> list[dict]:
+                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False,
+                     inductor_pdl=False) -> list[dict]:  # fmt: skip
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -610,7 +612,8 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     with the library's kernels launched with programmatic dependent launch (``kernels.common.PDL``,
     the default) and without (variants ``...-nopdl``); the four graphs take turns on the two caches
     (each replay advances its model's cache by a token), and each PDL row gets its ratio to the
-    same model's row without PDL."""
+    same model's row without PDL. ``inductor_pdl``: the PDL variants' Inductor kernels too (each capture
+    then compiles its own step)."""
     bf16_model, weight_bytes = random_model(model_name, device, gemv)
     pnmix_model, _ = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
@@ -629,7 +632,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
         if not pdl_ab:
             own_forward(model)
             return graphed_forward(model, cache, reset=False)
-        return captured_step(model, cache, pdl)
+        return captured_step(model, cache, pdl, inductor_pdl)
 
     for path in paths:
         torch._dynamo.reset()
@@ -690,15 +693,19 @@ GRAPH_SETUP_STEPS = 3
 """Decode steps a :class:`~pnmix_patch.GraphedDecodeStep` runs before its first replay (2 warm-ups, the capture)."""
 
 
-def captured_step(model, cache, pdl: bool):
+def captured_step(model, cache, pdl: bool, inductor_pdl: bool = False):
     """:func:`graphed_forward` of ``model`` on ``cache`` (its current Dynamo entry, no reset), captured
     now with the library's kernels launched with programmatic dependent launch or not (``pdl``,
-    ``kernels.common.PDL``, read when a launch is recorded)."""
+    ``kernels.common.PDL``, read when a launch is recorded). ``inductor_pdl``: compiled anew (a code
+    object of its own), Inductor's kernels launched with PDL too when ``pdl``."""
+    if inductor_pdl:
+        own_forward(model)
     forward = graphed_forward(model, cache, reset=False)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     kernels_common.PDL = pdl
+    inductor = {"triton.enable_pdl": pdl} if inductor_pdl else {}
     try:
-        with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch._inductor.config.patch(inductor):
             for _ in range(GRAPH_SETUP_STEPS):
                 forward(input_ids=token)
     finally:
@@ -726,6 +733,8 @@ def main() -> None:
                         help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too")
     parser.add_argument("--pdl-ab", action="store_true",
                         help="with --interleaved --paths graphed: each step also captured with the library's kernels launched without PDL")
+    parser.add_argument("--inductor-pdl", action="store_true",
+                        help="with --pdl-ab: the PDL variants' Inductor kernels launched with PDL too")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
@@ -734,6 +743,8 @@ def main() -> None:
         parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
     if args.pdl_ab and (not args.interleaved or args.paths != ["graphed"]):
         parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
+    if args.inductor_pdl and not (args.pdl_ab and hasattr(torch._inductor.config.triton, "enable_pdl")):
+        parser.error("--inductor-pdl: allowed only with --pdl-ab, on a torch whose Inductor has triton.enable_pdl")
     if (args.turn != TURN or args.untimed is not None) and not args.interleaved:
         parser.error("--turn and --untimed: allowed only with --interleaved")
     if args.untimed is None:
@@ -760,7 +771,8 @@ def main() -> None:
     for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
-                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab)
+                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab,
+                                     inductor_pdl=args.inductor_pdl)  # fmt: skip
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
                                args.gemv)
@@ -769,7 +781,8 @@ def main() -> None:
             "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
             "command": "python " + " ".join(sys.argv),
             "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl": kernels_common.PDL,
-            "inductor_pdl": getattr(torch._inductor.config.triton, "enable_pdl", None), "checks": checks, "timings": rows,
+            "inductor_pdl": args.inductor_pdl or getattr(torch._inductor.config.triton, "enable_pdl", None),
+            "checks": checks, "timings": rows,
         }  # fmt: skip
         path.write_text(json.dumps(report, indent=2))
 
