@@ -609,8 +609,8 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     medians and the median of the per-turn ratios (of each turn's median).
 
     ``pdl_ab`` (graphed path only): each model's step is captured twice from the same compiled code,
-    with the library's kernels launched with programmatic dependent launch (``kernels.common.PDL``,
-    the default) and without (variants ``...-nopdl``); the four graphs take turns on the two caches
+    with the library's kernels launched with programmatic dependent launch (``kernels.common.PDL``)
+    and without (variants ``...-nopdl``); the four graphs take turns on the two caches
     (each replay advances its model's cache by a token), and each PDL row gets its ratio to the
     same model's row without PDL. ``inductor_pdl``: the PDL variants' Inductor kernels too (each capture
     then compiles its own step)."""
@@ -702,14 +702,14 @@ def captured_step(model, cache, pdl: bool, inductor_pdl: bool = False):
         own_forward(model)
     forward = graphed_forward(model, cache, reset=False)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-    kernels_common.PDL = pdl
+    kernels_common.PDL, library_default = pdl, kernels_common.PDL
     inductor = {"triton.enable_pdl": pdl} if inductor_pdl else {}
     try:
         with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch._inductor.config.patch(inductor):
             for _ in range(GRAPH_SETUP_STEPS):
                 forward(input_ids=token)
     finally:
-        kernels_common.PDL = True
+        kernels_common.PDL = library_default
     return forward
 
 

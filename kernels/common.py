@@ -16,15 +16,17 @@ exactly (see that module's docstring for the formulas):
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-PDL = True
+PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
 and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
-it (compute capability 9.0 and up, :func:`launch_pdl`). A benchmark sets it to False to time both ways."""
+it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import: it
+has not yet been run on a GPU (``benchmarks/bench_decode.py --pdl-ab`` times both ways)."""
 
 
 @triton.jit

@@ -17,6 +17,7 @@ def test_launch_pdl_only_on_cuda_tensors_of_a_hopper_or_newer_gpu(monkeypatch):
     assert not common.launch_pdl(torch.ones(2))
     cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
     monkeypatch.setattr(common, "_has_pdl", lambda index: index == 0)
+    monkeypatch.setattr(common, "PDL", True)
     assert common.launch_pdl(cuda_tensor)
     assert not common.launch_pdl(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
     monkeypatch.setattr(common, "PDL", False)
