@@ -99,10 +99,18 @@ def launch_pdl(tensor: torch.Tensor) -> bool:
 
 @triton.jit
 def wait_for_previous_kernel(PDL: tl.constexpr):
-    """With ``PDL`` (the kernel launched with ``launch_pdl=True``, see :func:`launch_pdl`): let the next
-    kernel launch once every program of this one has got here, then wait until the previous kernel
-    has finished and its writes are visible. Call it before the first load or store of memory that
-    another kernel writes or reads: every input but constants such as weights, and every output."""
+    """With ``PDL`` (the kernel launched with ``launch_pdl=True``, see :func:`launch_pdl`): wait until the
+    previous kernel has finished and its writes are visible. Call it before the first load or store of
+    memory that another kernel writes or reads: every input but constants such as weights, and every
+    output. Loads of constants may come before it (they overlap the previous kernel's end)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_launch(PDL: tl.constexpr):
+    """With ``PDL``: the next kernel may launch once every program of this one has got here (or exited).
+    Call it after the main loop: its programs then start (and wait, or load their constants) while this
+    kernel's last programs finish, instead of taking program slots that this kernel still needs."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()

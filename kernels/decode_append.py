@@ -35,7 +35,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, quantize_values
 
-from .common import launch_pdl, nonempty, wait_for_previous_kernel
+from .common import launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
 from .pack_keys import pack_key_group
 from .pack_values import BLOCK_T, pack_value_tokens, value_layout
 
@@ -105,6 +105,7 @@ def _append_token_kernel(
             )
         tl.debug_barrier()  # every thread has read the buffer before slot 0 is overwritten
 
+    let_next_kernel_launch(PDL)  # after the flush: the attention's programs start while this one appends
     offs_d = tl.arange(0, BLOCK_D)
     mask = offs_d < D
     key = tl.load(key_ptr + b * s_kb + h * s_kh + offs_d, mask=mask)

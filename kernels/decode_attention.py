@@ -57,7 +57,7 @@ import triton.language as tl
 from pnmix_patch.attention import masked_attention
 from pnmix_patch.quantize import dequantize_keys, dequantize_values
 
-from .common import launch_pdl, nonempty, wait_for_previous_kernel
+from .common import launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
 
 BLOCK_N_DENSE = 64
 """Tokens per step over sinks and residual."""
@@ -202,6 +202,7 @@ def _decode_split_kernel(
         v = tl.reshape(v, [32, BLOCK_D]).to(dtype)
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
 
+    let_next_kernel_launch(PDL)  # the merge kernel's programs start while the last splits finish
     # Residual: last split only.
     n_res = tl.where(split == num_splits - 1, tl.minimum(tl.load(res_len_ptr + b), residual_cap), 0)
     m_i, l_i, acc = _attend_dense(
@@ -240,6 +241,7 @@ def _decode_combine_kernel(
         acc_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :],
         mask=s_mask[:, None] & d_mask[None, :], other=0.0,
     )
+    let_next_kernel_launch(PDL)
     m_max = tl.max(m, 0)
     weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
     denominator = tl.sum(weight * l, 0)

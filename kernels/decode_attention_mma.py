@@ -340,8 +340,14 @@ prmt.b32 $0, t0, t1, 0x5410;
 def _wait_for_previous_kernel(PDL: gl.constexpr):
     """``kernels.common.wait_for_previous_kernel`` in Gluon (``griddepcontrol``, for a launch with PDL)."""
     if PDL:
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], gl.int32, False, 1)
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], gl.int32, False, 1)
+
+
+@gluon.jit
+def _let_next_kernel_launch(PDL: gl.constexpr):
+    """``kernels.common.let_next_kernel_launch`` in Gluon."""
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], gl.int32, False, 1)
 
 
 @gluon.jit
@@ -816,6 +822,7 @@ def _decode_split_kernel_mma(
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
 
+    _let_next_kernel_launch(PDL)  # the merge kernel's programs start while the last splits finish
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
     m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, res_k_ptr + b * s_rkb + h * s_rkh,

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, wait_for_previous_kernel
+from .common import launch_pdl, let_next_kernel_launch, wait_for_previous_kernel
 
 BLOCK_K = 1024
 """Elements of a row read per iteration. In ``gemv_bandwidth.py``'s sweep (256, 512 or 1024 columns, 1 to
@@ -52,6 +52,14 @@ MAX_STACKED = 3
 
 
 @triton.jit
+def _load_block(ptr, cols, remaining, EVEN_K: tl.constexpr):
+    """Float32 ``ptr[cols]``, zeros from ``remaining`` on; with ``EVEN_K`` unmasked (16-byte vector loads)."""
+    if EVEN_K:
+        return tl.load(ptr + cols).to(tl.float32)
+    return tl.load(ptr + cols, mask=cols < remaining, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K, END0, END1,
                  HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
     # y = [W0; W1; W2] x (+ [b0; b1; b2]), one row per program: rows [0, END0) of y come from W0,
@@ -63,16 +71,13 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K
     local_row = row - tl.where(past1, END1, tl.where(past0, END0, 0))
     w_row = tl.where(past1, w2_ptr, tl.where(past0, w1_ptr, w0_ptr)) + local_row.to(tl.int64) * K
     cols = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_K], tl.float32)
+    # The weight's first block is read before waiting for the kernel that writes x (with PDL).
+    first = _load_block(w_row, cols, K, EVEN_K)
     wait_for_previous_kernel(PDL)
-    for start in range(0, K, BLOCK_K):
-        if EVEN_K:  # no mask: the loads stay 16-byte vectors without predicates
-            x = tl.load(x_ptr + start + cols).to(tl.float32)
-            acc += tl.load(w_row + start + cols).to(tl.float32) * x
-        else:
-            inside = start + cols < K
-            x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-            acc += tl.load(w_row + start + cols, mask=inside, other=0.0).to(tl.float32) * x
+    acc = first * _load_block(x_ptr, cols, K, EVEN_K)
+    for start in range(BLOCK_K, K, BLOCK_K):
+        acc += _load_block(w_row + start, cols, K - start, EVEN_K) * _load_block(x_ptr + start, cols, K - start, EVEN_K)
+    let_next_kernel_launch(PDL)
     y = tl.sum(acc, 0)
     if HAS_BIAS:
         y += tl.load(tl.where(past1, b2_ptr, tl.where(past0, b1_ptr, b0_ptr)) + local_row).to(tl.float32)

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .common import launch_pdl, wait_for_previous_kernel
-from .gemv import _check, _triton_serves, block_for
+from .common import launch_pdl, let_next_kernel_launch, wait_for_previous_kernel
+from .gemv import _check, _load_block, _triton_serves, block_for
 
 BLOCK_K = 512
 """Elements of each row read per iteration (4 warps: 8 bytes per thread and load, twice per
@@ -42,19 +42,18 @@ def _gemv_swiglu_kernel(x_ptr, gate_ptr, up_ptr, gate_bias_ptr, up_bias_ptr, y_p
     row = tl.program_id(0)
     row_start = row.to(tl.int64) * K  # the same row of both [I, K] weights
     cols = tl.arange(0, BLOCK_K)
-    gate_acc = tl.zeros([BLOCK_K], tl.float32)
-    up_acc = tl.zeros([BLOCK_K], tl.float32)
+    # The weights' first blocks are read before waiting for the kernel that writes x (with PDL).
+    gate_first = _load_block(gate_ptr + row_start, cols, K, EVEN_K)
+    up_first = _load_block(up_ptr + row_start, cols, K, EVEN_K)
     wait_for_previous_kernel(PDL)
-    for start in range(0, K, BLOCK_K):
-        if EVEN_K:  # no mask: the loads stay 16-byte vectors without predicates
-            x = tl.load(x_ptr + start + cols).to(tl.float32)
-            gate_acc += tl.load(gate_ptr + row_start + start + cols).to(tl.float32) * x
-            up_acc += tl.load(up_ptr + row_start + start + cols).to(tl.float32) * x
-        else:
-            inside = start + cols < K
-            x = tl.load(x_ptr + start + cols, mask=inside, other=0.0).to(tl.float32)
-            gate_acc += tl.load(gate_ptr + row_start + start + cols, mask=inside, other=0.0).to(tl.float32) * x
-            up_acc += tl.load(up_ptr + row_start + start + cols, mask=inside, other=0.0).to(tl.float32) * x
+    x = _load_block(x_ptr, cols, K, EVEN_K)
+    gate_acc = gate_first * x
+    up_acc = up_first * x
+    for start in range(BLOCK_K, K, BLOCK_K):
+        x = _load_block(x_ptr + start, cols, K - start, EVEN_K)
+        gate_acc += _load_block(gate_ptr + row_start + start, cols, K - start, EVEN_K) * x
+        up_acc += _load_block(up_ptr + row_start + start, cols, K - start, EVEN_K) * x
+    let_next_kernel_launch(PDL)
     gate = tl.sum(gate_acc, 0)
     up = tl.sum(up_acc, 0)
     if HAS_BIAS:

@@ -2,6 +2,7 @@
 kernel launched with it waits before its first access to memory (checked in its sm_90 build)."""
 
 import os
+import re
 import subprocess
 import sys
 import types
@@ -75,13 +76,40 @@ def sm90_ptx(kernel: str, pdl: bool) -> str:
     return result.stdout
 
 
+PREFETCHING = {"gemv": "x_ptr", "gemv_swiglu": "x_ptr"}
+"""Kernels that read their weights' first block before waiting, and the input they must not read before."""
+
+
+def registers_derived_from(ptx: str, kernel: str, argument: str) -> set[str]:
+    """The PTX registers whose value depends on the pointer ``argument`` of ``kernel`` (its parameter
+    index among the non-constexpr arguments), following every instruction's operands in order."""
+    _, name, _, constants = KERNELS[kernel]
+    module = __import__(KERNELS[kernel][0], fromlist=[name])
+    constexprs = set(eval(constants)) | {"PDL"}
+    parameters = [n for n in getattr(module, name).arg_names if n not in constexprs]
+    source = f"_param_{parameters.index(argument)}]"
+    derived = set()
+    for line in ptx.splitlines():
+        operands = re.findall(r"%\w+|\w+_param_\d+\]", line.split("//")[0].lstrip("@%p0123456789! \t"))
+        if len(operands) > 1 and any(o in derived or o.endswith(source) for o in operands[1:]):
+            derived.add(operands[0])
+    return derived
+
+
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_kernels_wait_for_the_previous_kernel_before_touching_memory(kernel):
-    """Built with ``PDL``: ``griddepcontrol.launch_dependents`` and ``griddepcontrol.wait`` come before
-    the first global load, store or atomic (else a kernel launched early could read its inputs
-    before the previous kernel has written them). Without it, neither instruction is there."""
+    """Built with ``PDL``: ``griddepcontrol.wait`` comes before the first global load, store or atomic
+    (else a kernel launched early could read its inputs before the previous kernel has written them),
+    except for the one-token products' loads of their first weight block, which must not depend on
+    ``x``; ``griddepcontrol.launch_dependents`` comes after the wait. Without it, neither instruction."""
     ptx = sm90_ptx(kernel, pdl=True)
     wait = ptx.find("griddepcontrol.wait")
-    first_access = min(i for i in (ptx.find(op) for op in MEMORY) if i >= 0)
-    assert 0 <= ptx.find("griddepcontrol.launch_dependents") < wait < first_access
+    assert 0 <= wait < ptx.find("griddepcontrol.launch_dependents")
+    early = [line for line in ptx[:wait].splitlines() if any(op in line for op in MEMORY)]
+    if kernel in PREFETCHING:
+        from_x = registers_derived_from(ptx, kernel, PREFETCHING[kernel])
+        assert early and all("ld.global" in line and not set(re.findall(r"%\w+", line.split("[")[1])) & from_x for line in early)
+        assert any(set(re.findall(r"%\w+", line.split("[")[1])) & from_x for line in ptx[wait:].splitlines() if "ld.global" in line)
+    else:
+        assert early == []
     assert "griddepcontrol" not in sm90_ptx(kernel, pdl=False)
