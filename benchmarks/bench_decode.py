@@ -648,7 +648,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             static.reset()
             prefill(pnmix_model, static, name)
             pnmix_bytes = fill_pnmix(static, context)
-            runs, labels, cache_bytes = [], [], []
+            runs, labels, cache_bytes, launches = [], [], [], []
             for pdl in settings:
                 suffix = "" if pdl else "-nopdl"
                 bf16_forward = compiled_step(bf16_model, bf16_cache, path, pdl)  # a new compile per static size
@@ -657,14 +657,19 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 runs += [(bf16_forward, bf16_model, bf16_cache), (pnmix_forwards[pdl], pnmix_model, static)]
                 labels += [variants[0] + suffix, variants[1] + suffix]
                 cache_bytes += [bf16_bytes, pnmix_bytes]
+                # How this row's kernels launched: the library's with PDL or not, Inductor's likewise.
+                launch = {"library_pdl": pdl if pdl_ab else kernels_common.PDL,
+                          "inductor_pdl": (pdl and inductor_pdl) if pdl_ab else getattr(torch._inductor.config.triton, "enable_pdl", None)}
+                launches += [launch, launch]
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
                 pipelined = [pipelined_host_time(*run, name) for run in runs]
             group = [
                 timing_row(model_name, variant, context, variant_timed, weight_bytes, variant_bytes, bandwidth,
                            variant_pipelined, interleaved=True, turn=turn, untimed_per_turn=untimed,
-                           host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]])
-                for variant, variant_timed, variant_bytes, variant_pipelined in zip(labels, timed, cache_bytes, pipelined)
+                           host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]],
+                           **launch)
+                for variant, variant_timed, variant_bytes, variant_pipelined, launch in zip(labels, timed, cache_bytes, pipelined, launches)
             ]  # fmt: skip
             turn_ms = [[statistics.median(t["ms"][i] for i in indices) for indices in t["turns"]] for t in timed]
 
