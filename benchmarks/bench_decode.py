@@ -634,6 +634,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             return graphed_forward(model, cache, reset=False)
         return captured_step(model, cache, pdl, inductor_pdl)
 
+    pdl_capable = device.type == "cuda" and kernels_common._has_pdl(device.index or 0)  # compute capability 9.0+
     for path in paths:
         torch._dynamo.reset()
         variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
@@ -658,8 +659,9 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 labels += [variants[0] + suffix, variants[1] + suffix]
                 cache_bytes += [bf16_bytes, pnmix_bytes]
                 # How this row's kernels launched: the library's with PDL or not, Inductor's likewise.
-                launch = {"library_pdl": pdl if pdl_ab else kernels_common.PDL,
-                          "inductor_pdl": (pdl and inductor_pdl) if pdl_ab else getattr(torch._inductor.config.triton, "enable_pdl", None)}
+                launch = {"library_pdl": pdl_capable and (pdl if pdl_ab else kernels_common.PDL),
+                          "inductor_pdl": pdl_capable and ((pdl and inductor_pdl) if pdl_ab else
+                                                           bool(getattr(torch._inductor.config.triton, "enable_pdl", False)))}
                 launches += [launch, launch]
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
@@ -785,7 +787,7 @@ def main() -> None:
             "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
             "command": "python " + " ".join(sys.argv),
-            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl": kernels_common.PDL,
+            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
             "inductor_pdl": args.inductor_pdl or getattr(torch._inductor.config.triton, "enable_pdl", None),
             "checks": checks, "timings": rows,
         }  # fmt: skip

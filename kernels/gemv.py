@@ -85,9 +85,10 @@ def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K
 
 
 def block_for(k: int, block_k: int = BLOCK_K) -> tuple[int, bool]:
-    """``(BLOCK_K, EVEN_K)`` of a one-token product over ``k`` columns, read ``block_k`` at a time at most."""
+    """``(BLOCK_K, EVEN_K)`` of a one-token product over ``k`` columns, read ``block_k`` at a time at most
+    (``k = 0``: masked, so that the kernel's first block, read outside its loop, touches no memory)."""
     block = min(block_k, triton.next_power_of_2(max(k, 1)))
-    return block, k % block == 0
+    return block, k > 0 and k % block == 0
 
 
 def triton_gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor]) -> torch.Tensor:
@@ -159,7 +160,9 @@ def _triton_serves(weights: list[torch.Tensor]) -> bool:
 @torch.library.custom_op("pnmix::gemv", mutates_args=())
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``weight @ x + bias`` for one token: ``x [K]``, ``weight [N, K]``, ``bias [N]`` or None -> ``[N]``,
-    all of one dtype. This default implementation is :func:`gemv_reference`; CUDA runs Triton."""
+    all of one dtype. This default implementation is :func:`gemv_reference`; CUDA runs Triton. With
+    :data:`~pnmix_patch.kernels.common.PDL` the kernel reads the weight's first block before waiting for
+    the previous kernel: the weight must not be written by the kernels just before (weights are not)."""
     _check(x, weight, bias)
     return gemv_reference(x, weight, bias)
 
@@ -201,7 +204,7 @@ def gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torc
     projections) in one launch, plus ``biases [N_i]`` (one per weight, or an empty list), returned end
     to end: ``[sum N_i]``, all of one dtype. Inference only (no backward): :mod:`pnmix_patch.linear`
     calls it when no gradient is needed. This default implementation is
-    :func:`gemv_stacked_reference`; CUDA runs Triton."""
+    :func:`gemv_stacked_reference`; CUDA runs Triton. The weights are read early with PDL, as in :func:`gemv`."""
     _check_stacked(x, weights, biases)
     return gemv_stacked_reference(x, weights, biases)
 

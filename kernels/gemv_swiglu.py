@@ -102,7 +102,8 @@ def gemv_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Ten
                 gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     """``silu(gate_weight @ x + gate_bias) * (up_weight @ x + up_bias)`` for one token: ``x [K]``, weights
     ``[I, K]``, biases ``[I]`` (both or neither) -> ``[I]``, all of one dtype. This default
-    implementation is :func:`gemv_swiglu_reference`; CUDA runs Triton."""
+    implementation is :func:`gemv_swiglu_reference`; CUDA runs Triton. The weights are read early with
+    PDL, as in :func:`~pnmix_patch.kernels.gemv.gemv`."""
     _check_swiglu(x, gate_weight, up_weight, gate_bias, up_bias)
     return gemv_swiglu_reference(x, gate_weight, up_weight, gate_bias, up_bias)
 

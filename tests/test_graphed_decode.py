@@ -8,7 +8,7 @@ from test_static_cache import greedy
 from torch._dynamo.utils import counters
 from transformers import StaticCache
 
-from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model
+from pnmix_patch import PRESETS, GraphedDecodeStep, new_cache, patch_gemv, patch_model
 from pnmix_patch.kernels import common
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -96,17 +96,22 @@ def test_cuda_graph_replays_match_the_compiled_step(kind):
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or newer")  # fmt: skip
-def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_without(monkeypatch):
+@pytest.mark.parametrize("config", [SMALL, PRESETS["pnmix-1"]], ids=["triton-split-kernel", "gluon-split-kernel"])
+def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_without(monkeypatch, config):
     """A PN-Mix model with the fused one-token products, its graph captured with the library's kernels
     launched with PDL (``kernels.common.PDL``) and without: 300 steps (flushes included) give the same
-    logits bit for bit. A kernel that read before the previous one's writes were visible would not."""
+    logits bit for bit. ``SMALL``'s 32-token groups take the Triton split kernel, ``pnmix-1``'s the Gluon
+    one. A kernel reading before the previous one's writes are visible would (likely) change them."""
     model = tiny_model("llama", vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=128).to("cuda", torch.bfloat16)  # fmt: skip
-    patch_gemv(patch_model(model, SMALL))
+    patch_gemv(patch_model(model, config))
     prompt = torch.randint(0, 2048, (1, 200), generator=torch.Generator().manual_seed(0)).to("cuda")
+    has_pdl, pdl_launches = common._has_pdl, []
+    monkeypatch.setattr(common, "_has_pdl", lambda index: pdl_launches.append(index) or has_pdl(index))
     logits = {}
     for pdl in (False, True):
         monkeypatch.setattr(common, "PDL", pdl)
+        pdl_launches.clear()
         torch._dynamo.reset()
         cache = new_cache(model, prompt.shape[1] + 300, static=True)
         step = GraphedDecodeStep(model, cache, warmup_steps=2)
@@ -116,6 +121,6 @@ def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_wit
             for _ in range(300):
                 steps.append(step(token).clone())
                 token = steps[-1][:, -1:].argmax(-1)
-        assert step.captured
+        assert step.captured and bool(pdl_launches) == pdl  # with PDL, launches asked for it
         logits[pdl] = torch.cat(steps, 1)
     assert torch.equal(logits[True], logits[False])

@@ -7,9 +7,9 @@ from kernel_cases import seeded
 
 from pnmix_patch.kernels.gemv import BLOCK_K, _gemv_cuda, _gemv_stacked_cuda, gemv, gemv_stacked, triton_gemv, triton_gemv_stacked
 
-# (rows, columns): a single row and column, columns at, under and over the block and two blocks,
+# (rows, columns): no column, a single row and column, columns at, under and over the block and two blocks,
 # a number of rows that is not a power of two.
-SHAPES = [(1, 1), (3, 31), (5, BLOCK_K - 1), (4, BLOCK_K), (3, BLOCK_K + 1), (17, 2 * BLOCK_K + 7)]
+SHAPES = [(3, 0), (1, 1), (3, 31), (5, BLOCK_K - 1), (4, BLOCK_K), (3, BLOCK_K + 1), (17, 2 * BLOCK_K + 7)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
@@ -95,7 +95,7 @@ STACKS = [(3,), (2, 5), (4, 1, 3), (1, 1, 1), (4, 0, 3), (0, 2), (2, 0)]  # a we
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("stack", STACKS)
-@pytest.mark.parametrize("columns", [31, BLOCK_K, BLOCK_K + 1])
+@pytest.mark.parametrize("columns", [0, 31, BLOCK_K, BLOCK_K + 1])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_triton_gemv_stacked_matches_linear(stack, columns, dtype, with_bias):
     generator = seeded()

@@ -8,8 +8,8 @@ from test_kernel_gemv import assert_close_to_float64
 
 from pnmix_patch.kernels.gemv_swiglu import BLOCK_K, _gemv_swiglu_cuda, gemv_swiglu, triton_gemv_swiglu
 
-# (rows, columns): a single row and column, columns at, under and over the block and two blocks.
-SHAPES = [(1, 1), (3, 31), (5, BLOCK_K - 1), (4, BLOCK_K), (3, BLOCK_K + 1), (17, 2 * BLOCK_K + 7)]
+# (rows, columns): no column, a single row and column, columns at, under and over the block and two blocks.
+SHAPES = [(3, 0), (1, 1), (3, 31), (5, BLOCK_K - 1), (4, BLOCK_K), (3, BLOCK_K + 1), (17, 2 * BLOCK_K + 7)]
 
 
 def inputs(rows: int, columns: int, dtype: torch.dtype, with_bias: bool, generator: torch.Generator):
