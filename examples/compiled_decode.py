@@ -9,12 +9,16 @@ whole step, cache update and flush included, replays as one CUDA graph.
     python examples/compiled_decode.py --model path/to/model --tokens 1024 --dtype bfloat16
     python examples/compiled_decode.py --graphed
     python examples/compiled_decode.py --graphed --gemv
+    python examples/compiled_decode.py --graphed --gemv --pdl
 
 ``--graphed`` replays the step through :class:`pnmix_patch.GraphedDecodeStep` instead: the
 same compiled step captured once as a CUDA graph, without ``torch.compile``'s per-call guards
 and input checks (on CUDA; lower host time per token at batch 1). ``--gemv`` also sends the
 linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), which reads
-the weights faster than cuBLAS at batch 1 on an H200.
+the weights faster than cuBLAS at batch 1 on an H200. ``--pdl`` (experimental; GPUs of compute
+capability 9.0 and up) launches the step's kernels, the library's and Inductor's, with programmatic
+dependent launch: each may start while the one before it finishes (``benchmarks/RESULTS.md``,
+twenty-second session: 0.964x the time of Qwen3-8B's graphed step at 32K on an H200).
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus
@@ -38,7 +42,15 @@ parser.add_argument("--tokens", type=int, default=512, help="tokens to generate"
 parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
 parser.add_argument("--graphed", action="store_true", help="replay the step with GraphedDecodeStep")
 parser.add_argument("--gemv", action="store_true", help="one-token linear products through pnmix::gemv (patch_gemv)")
+parser.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (experimental)")
 args = parser.parse_args()
+if args.pdl:  # before the first compile and launch; no effect on CPU or GPUs older than compute capability 9.0
+    import torch._inductor.config
+
+    from pnmix_patch.kernels import common
+
+    common.PDL = True
+    torch._inductor.config.triton.enable_pdl = True
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
