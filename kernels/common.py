@@ -27,8 +27,9 @@ PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
 it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import.
 Measured on an H200 (``benchmarks/bench_decode.py --pdl-ab``, Qwen3-8B graphed at 32K): 0.964x the
-step's time (median of turns) with Inductor's kernels launched with PDL too (``torch._inductor.config.triton.enable_pdl``);
-alone (with an earlier placement of the signal) no gain; 1K not yet measured with the current kernels."""
+step's time (median of turns) with Inductor's kernels launched with PDL too
+(``torch._inductor.config.triton.enable_pdl``); alone (with an earlier placement of the signal) no
+gain; 1K not yet measured with the current kernels."""
 
 
 @triton.jit
@@ -94,8 +95,8 @@ def launch_pdl(tensor: torch.Tensor) -> bool:
     before it to finish and for its own launch. Launched with PDL (``launch_pdl=True``), a kernel's
     programs may start as soon as every program of the previous kernel has passed
     :func:`let_next_kernel_launch` or exited (after a kernel that does not signal: once it has
-    finished); they then wait in :func:`wait_for_previous_kernel` until that kernel's writes are visible. True for CUDA tensors on a GPU of compute capability 9.0 and up
-    while :data:`PDL` is set."""
+    finished); they then wait in :func:`wait_for_previous_kernel` until that kernel's writes are
+    visible. True for CUDA tensors on a GPU of compute capability 9.0 and up while :data:`PDL` is set."""
     return PDL and tensor.is_cuda and _has_pdl(tensor.device.index)
 
 
