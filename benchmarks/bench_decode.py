@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -96,6 +97,7 @@ import pnmix_patch.linear
 from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
 from pnmix_patch.patches import get_patch
+from pnmix_patch.patches.base import ArchitecturePatch
 from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
 
@@ -133,7 +135,7 @@ def fused_projection_forward(self, hidden_states, position_embeddings=None, atte
     at one token after ``patch_gemv``). Set on each attention module by :func:`fuse_projections`."""
     cache = cache if cache is not None else past_key_values
     query, key, value = self._bench_adapter.project(self, hidden_states)
-    query, key = self._bench_rotary(query, key, *position_embeddings)
+    query, key = self._bench_rotary(*self._bench_adapter.norms(self, query, key), *position_embeddings)
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx)
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._bench_eager_attention)
@@ -594,7 +596,7 @@ def own_forward(model) -> None:
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
                      steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False,
-                     inductor_pdl=False) -> list[dict]:  # fmt: skip
+                     inductor_pdl=False, rotation_ab=False) -> list[dict]:  # fmt: skip
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -613,16 +615,22 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     and without (variants ``...-nopdl``); the four graphs take turns on the two caches
     (each replay advances its model's cache by a token), and each PDL row gets its ratio to the
     same model's row without PDL. ``inductor_pdl``: the PDL variants' Inductor kernels too (each capture
-    then compiles its own step)."""
+    then compiles its own step).
+
+    ``rotation_ab``: a third model, PN-Mix with its decode steps' q/k norms and RoPE left to the compiled
+    code (:func:`separate_rotation`; variants ``pnmix-...-separate-rope``), takes turns too; the PN-Mix
+    rows get their ratio to it."""
     bf16_model, weight_bytes = random_model(model_name, device, gemv)
-    pnmix_model, _ = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
-    patch_model(pnmix_model, "pnmix-1")
+    pnmix_models = [patch_model(random_model(model_name, device, gemv)[0], "pnmix-1") for _ in range(1 + rotation_ab)]
+    if rotation_ab:
+        separate_rotation(pnmix_models[1])
     name = cache_arg(bf16_model)
     settings = (True, False) if pdl_ab else (True,)
     steps_per_row = len(settings) * (steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS + GRAPH_SETUP_STEPS)
-    static = new_cache(pnmix_model, max(contexts) + PROMPT + steps_per_row, static=True)
-    prefill(pnmix_model, static, name)
+    statics = [new_cache(model, max(contexts) + PROMPT + steps_per_row, static=True) for model in pnmix_models]
+    for model, static in zip(pnmix_models, statics):
+        prefill(model, static, name)
     rows = []
 
     def compiled_step(model, cache, path, pdl=True):
@@ -638,31 +646,36 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     for path in paths:
         torch._dynamo.reset()
         variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
+        pnmix_labels = [variants[1], f"{variants[1]}-separate-rope"][: len(pnmix_models)]
         pnmix_forwards = {}  # one step serves every context: reset() keeps the cache's addresses
         if pdl_ab:
-            own_forward(bf16_model)
-            own_forward(pnmix_model)
+            for model in (bf16_model, *pnmix_models):
+                own_forward(model)
         for context in contexts:
             bf16_cache = StaticCache(config=bf16_model.config, max_cache_len=context + PROMPT + steps_per_row)
             prefill(bf16_model, bf16_cache, name)
             bf16_bytes = fill_bf16(bf16_cache, context)
-            static.reset()
-            prefill(pnmix_model, static, name)
-            pnmix_bytes = fill_pnmix(static, context)
-            runs, labels, cache_bytes, launches = [], [], [], []
+            for model, static in zip(pnmix_models, statics):
+                static.reset()
+                prefill(model, static, name)
+                pnmix_bytes = fill_pnmix(static, context)
+            runs, labels, cache_bytes, launches, baselines = [], [], [], [], []
             for pdl in settings:
                 suffix = "" if pdl else "-nopdl"
                 bf16_forward = compiled_step(bf16_model, bf16_cache, path, pdl)  # a new compile per static size
-                if pdl not in pnmix_forwards:
-                    pnmix_forwards[pdl] = compiled_step(pnmix_model, static, path, pdl)
-                runs += [(bf16_forward, bf16_model, bf16_cache), (pnmix_forwards[pdl], pnmix_model, static)]
-                labels += [variants[0] + suffix, variants[1] + suffix]
-                cache_bytes += [bf16_bytes, pnmix_bytes]
+                baselines += [len(runs)] * (1 + len(pnmix_models))
+                runs.append((bf16_forward, bf16_model, bf16_cache))
+                for index, (model, static) in enumerate(zip(pnmix_models, statics)):
+                    if (pdl, index) not in pnmix_forwards:
+                        pnmix_forwards[pdl, index] = compiled_step(model, static, path, pdl)
+                    runs.append((pnmix_forwards[pdl, index], model, static))
+                labels += [variants[0] + suffix] + [label + suffix for label in pnmix_labels]
+                cache_bytes += [bf16_bytes] + [pnmix_bytes] * len(pnmix_models)
                 # How this row's kernels launched: the library's with PDL or not, Inductor's likewise.
                 launch = {"library_pdl": pdl_capable and (pdl if pdl_ab else kernels_common.PDL),
                           "inductor_pdl": pdl_capable and ((pdl and inductor_pdl) if pdl_ab else
                                                            bool(getattr(torch._inductor.config.triton, "enable_pdl", False)))}
-                launches += [launch, launch]
+                launches += [launch] * (1 + len(pnmix_models))
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
                 pipelined = [pipelined_host_time(*run, name) for run in runs]
@@ -683,10 +696,14 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                       f"{group[index][f'ratio_to_{key}_of_medians']:.3f} (median of {len(turn_ms[index])} turns' ratios "
                       f"{group[index][f'ratio_to_{key}_median_of_turns']:.3f})", flush=True)  # fmt: skip
 
-            for index in range(1, len(group), 2):
-                ratios(index, index - 1, "bf16")
-            for index in range(2 if pdl_ab else 0):
-                ratios(index, index + 2, "nopdl")
+            for index, baseline in enumerate(baselines):
+                if index != baseline:
+                    ratios(index, baseline, "bf16")
+            if rotation_ab:
+                for index in range(1, len(group), len(group) // len(settings)):
+                    ratios(index, index + 1, "separate_rope")
+            for index in range(len(group) // 2 if pdl_ab else 0):
+                ratios(index, index + len(group) // 2, "nopdl")
             for row in group:
                 print(f"    host time by step of a turn, {row['variant']} (us): "
                       + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]), flush=True)
@@ -698,6 +715,23 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
 
 GRAPH_SETUP_STEPS = 3
 """Decode steps a :class:`~pnmix_patch.GraphedDecodeStep` runs before its first replay (2 warm-ups, the capture)."""
+
+
+class _SeparateRotation(ArchitecturePatch):
+    """An architecture adapter whose decode steps leave the q/k norms and RoPE to the compiled code."""
+
+    def kernel_norms(self, attention):
+        return None
+
+
+def separate_rotation(model) -> None:
+    """Make a PN-Mix patched ``model``'s decode steps run the q/k norms and RoPE as the prefill does (the
+    modules' own code, compiled by Inductor) and append with ``pnmix::decode_append``: the step before
+    ``pnmix::decode_rotate_append`` did both in the append kernel, for ``--rotation-ab``."""
+    for module in model.modules():
+        adapter = getattr(module, "_pnmix_adapter", None)
+        if adapter is not None:
+            module._pnmix_adapter = _SeparateRotation(**dataclasses.asdict(adapter))
 
 
 def captured_step(model, cache, pdl: bool, inductor_pdl: bool = False):
@@ -742,6 +776,9 @@ def main() -> None:
                         help="with --interleaved --paths graphed: each step also captured with the library's kernels launched without PDL")
     parser.add_argument("--inductor-pdl", action="store_true",
                         help="with --pdl-ab: the PDL variants' Inductor kernels launched with PDL too")
+    parser.add_argument("--rotation-ab", action="store_true",
+                        help="with --interleaved: also PN-Mix with the decode steps' q/k norms and RoPE compiled by Inductor "
+                             "(not in the append kernel)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
@@ -750,6 +787,8 @@ def main() -> None:
         parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
     if args.pdl_ab and (not args.interleaved or args.paths != ["graphed"]):
         parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
+    if args.rotation_ab and not args.interleaved:
+        parser.error("--rotation-ab: allowed only with --interleaved")
     if args.inductor_pdl and not (args.pdl_ab and hasattr(torch._inductor.config.triton, "enable_pdl")):
         parser.error("--inductor-pdl: allowed only with --pdl-ab, on a torch whose Inductor has triton.enable_pdl")
     if (args.turn != TURN or args.untimed is not None) and not args.interleaved:
@@ -779,7 +818,7 @@ def main() -> None:
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
                                      turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab,
-                                     inductor_pdl=args.inductor_pdl)  # fmt: skip
+                                     inductor_pdl=args.inductor_pdl, rotation_ab=args.rotation_ab)  # fmt: skip
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
                                args.gemv)

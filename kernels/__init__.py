@@ -8,7 +8,9 @@ Importing this package registers:
   packed groups and residual, reading the codes in registers (on CUDA the Gluon kernel of
   ``decode_attention_mma`` for the shapes of real models, the Triton kernel otherwise);
 - ``torch.ops.pnmix.decode_append``: one decode token into the static cache in place,
-  flushing a full residual buffer on the device (no host synchronization);
+  flushing a full residual buffer on the device (no host synchronization), and
+  ``torch.ops.pnmix.decode_rotate_append``: the same with the token's q/k norms and RoPE done
+  in the same kernel (it returns the rotated queries);
 - ``torch.ops.pnmix.gemv``: one token through a linear layer at the memory's speed
   (:func:`pnmix_patch.patch_gemv` routes a model's one-token products to it), and
   ``torch.ops.pnmix.gemv_stacked``: up to three such products in one launch (q, k, v);

@@ -25,6 +25,12 @@ overwritten next), then writes its head's token. The lengths are shared by the h
 of a sequence, so they change only after every head has read them: each program
 counts itself in ``arrivals[b]`` (an atomic add), and the last of the sequence's
 programs to arrive writes the new lengths and sets the counter back to zero.
+
+``pnmix::decode_rotate_append`` takes the token's query and key before the q/k norms (Qwen3)
+and RoPE and does those too, in the same programs (each also rotates the query heads of its
+KV head) and returns the rotated queries: at batch 1 a decode step is a chain of a few
+hundred short kernels, and compiled, the norms and RoPE of queries and keys took two of
+them per layer besides this one.
 """
 
 from __future__ import annotations
@@ -47,13 +53,37 @@ _MUTATED = (
 
 
 @triton.jit
+def _rotate_rows(
+    base, row_stride, rows, row_mask, offs_d, partner, sign, d_mask, cos, sin, weight, weight_partner, eps,
+    D: tl.constexpr, NORM: tl.constexpr,
+):
+    """Rows ``[R, BLOCK_D]`` at ``base + rows * row_stride`` through transformers' RMSNorm (``NORM``:
+    float32 variance and scale, back to the input dtype, times the weight) and RoPE with the
+    rotate_half pairing (channel ``d`` pairs with ``partner = (d + D/2) % D``, ``sign`` -1 below
+    ``D/2``). Every product and sum is rounded to the input dtype, as eager torch rounds them."""
+    mask = row_mask[:, None] & d_mask[None, :]
+    x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=mask, other=0.0)
+    x_partner = tl.load(base + rows[:, None] * row_stride + partner[None, :], mask=mask, other=0.0)
+    dtype = x.dtype
+    x, x_partner = x.to(tl.float32), x_partner.to(tl.float32)
+    if NORM:
+        inverse_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 1) / D + eps))[:, None]
+        x = (weight[None, :] * (x * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x_partner = (weight_partner[None, :] * (x_partner * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    rotated = (x * cos[None, :]).to(dtype).to(tl.float32) + (sign[None, :] * x_partner * sin[None, :]).to(dtype).to(tl.float32)
+    return rotated.to(dtype)
+
+
+@triton.jit
 def _append_token_kernel(
     key_ptr, value_ptr, order_ptr,
     sink_k_ptr, sink_v_ptr, sink_len_ptr,
     res_k_ptr, res_v_ptr, res_len_ptr,
     high_ptr, low_ptr, k_scale_ptr, k_zero_ptr, vc_ptr, v_scale_ptr, v_zero_ptr,
     num_groups_ptr, overflow_ptr, arrivals_ptr,
+    query_ptr, query_out_ptr, cos_ptr, sin_ptr, query_weight_ptr, key_weight_ptr, eps,
     num_heads, sink_cap, residual_cap, group_cap, per_flush,
+    s_qb, s_qh, s_qob, s_qoh, s_cosb, s_sinb,
     s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_od,
     s_skb, s_skh, s_skt, s_svb, s_svh, s_svt,
     s_rkb, s_rkh, s_rkt, s_rkd, s_rvb, s_rvh, s_rvt, s_rvd,
@@ -65,11 +95,45 @@ def _append_token_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
     GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr, BITS: tl.constexpr,
-    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr = False,
+    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr = False, NORM: tl.constexpr = False, RATIO: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = offs_d < D
     wait_for_previous_kernel(PDL)
+    # The token is read before the lengths, not after them: at batch 1 the kernel is a chain of
+    # memory latencies, and the token does not depend on the lengths (nor does the flush touch it).
+    if ROTATE:
+        partner = (offs_d + D // 2) % D
+        sign = tl.where(offs_d < D // 2, -1.0, 1.0)
+        cos = tl.load(cos_ptr + b * s_cosb + offs_d, mask=mask, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + b * s_sinb + offs_d, mask=mask, other=0.0).to(tl.float32)
+        # Without NORM the weights are not read: any tensor of their shape stands in.
+        query_weight, query_weight_partner, key_weight, key_weight_partner = cos, cos, cos, cos
+        if NORM:
+            query_weight = tl.load(query_weight_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
+            query_weight_partner = tl.load(query_weight_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+            key_weight = tl.load(key_weight_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
+            key_weight_partner = tl.load(key_weight_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        # This KV head's query heads h * RATIO .. h * RATIO + RATIO - 1.
+        rows = tl.arange(0, BLOCK_R)
+        query = _rotate_rows(
+            query_ptr + b * s_qb + h * RATIO * s_qh, s_qh, rows, rows < RATIO, offs_d, partner, sign, mask,
+            cos, sin, query_weight, query_weight_partner, eps, D, NORM,
+        )
+        out = query_out_ptr + b * s_qob + (h * RATIO + rows[:, None]) * s_qoh + offs_d[None, :]
+        tl.store(out, query, mask=(rows < RATIO)[:, None] & mask[None, :])
+        one_row = tl.arange(0, 1)
+        key = _rotate_rows(
+            key_ptr + b * s_kb + h * s_kh, 0, one_row, one_row < 1, offs_d, partner, sign, mask,
+            cos, sin, key_weight, key_weight_partner, eps, D, NORM,
+        )
+    else:
+        key = tl.expand_dims(tl.load(key_ptr + b * s_kb + h * s_kh + offs_d, mask=mask), 0)  # [1, BLOCK_D] as rotated
+    value = tl.load(value_ptr + b * s_vb + h * s_vh + offs_d, mask=mask)
     sink_len = tl.load(sink_len_ptr + b)
     residual_len = tl.load(res_len_ptr + b)
     num_groups = tl.load(num_groups_ptr + b)
@@ -106,14 +170,10 @@ def _append_token_kernel(
         tl.debug_barrier()  # every thread has read the buffer before slot 0 is overwritten
 
     let_next_kernel_launch(PDL)  # after the flush: the attention's programs start while this one appends
-    offs_d = tl.arange(0, BLOCK_D)
-    mask = offs_d < D
-    key = tl.load(key_ptr + b * s_kb + h * s_kh + offs_d, mask=mask)
-    value = tl.load(value_ptr + b * s_vb + h * s_vh + offs_d, mask=mask)
     sink_slot = sink_len.to(tl.int64)
-    tl.store(sink_k_ptr + b * s_skb + h * s_skh + sink_slot * s_skt + offs_d, key, mask=mask & to_sink)
+    tl.store(sink_k_ptr + b * s_skb + h * s_skh + sink_slot * s_skt + offs_d[None, :], key, mask=mask[None, :] & to_sink)
     tl.store(sink_v_ptr + b * s_svb + h * s_svh + sink_slot * s_svt + offs_d, value, mask=mask & to_sink)
-    tl.store(res_k + slot * s_rkt + offs_d * s_rkd, key, mask=mask & to_residual)
+    tl.store(res_k + slot * s_rkt + offs_d[None, :] * s_rkd, key, mask=mask[None, :] & to_residual)
     tl.store(res_v + slot * s_rvt + offs_d * s_rvd, value, mask=mask & to_residual)
 
     # The last program of sequence b to get here writes its lengths. The barrier orders this
@@ -132,9 +192,11 @@ def triton_decode_append(
     residual_keys, residual_values, residual_len,
     key_codes_high, key_codes_low, key_scale, key_zero,
     value_codes, value_scale, value_zero, num_groups, overflowed, arrivals,
-    midpoint_correction: bool,
-) -> None:
-    """Launch the fused flush-and-append kernel, one program per (sequence, KV head)."""
+    midpoint_correction: bool, rotation: tuple | None = None,
+) -> torch.Tensor | None:
+    """Launch the fused flush-and-append kernel, one program per (sequence, KV head). ``rotation``:
+    ``(query, cos, sin, query_norm_weight, key_norm_weight, norm_eps)`` of :func:`decode_rotate_append`
+    (the key is then taken before its norm and RoPE); returns the rotated queries then, else None."""
     batch, heads, head_dim = key.shape
     sink_cap, residual_cap = sink_keys.shape[2], residual_keys.shape[2]
     group_size = 32 * key_codes_high.shape[4]
@@ -145,13 +207,29 @@ def triton_decode_append(
     high, low = nonempty(key_codes_high), nonempty(key_codes_low)
     k_scale, k_zero, v_codes = nonempty(key_scale), nonempty(key_zero), nonempty(value_codes)
     v_scale, v_zero = nonempty(value_scale), nonempty(value_zero)
+    if rotation is None:  # the rotation's arguments are not read: the key stands in for each
+        query_out, constants, rotation_args = None, {}, (key, key, key, key, key, key, 0.0, 0, 0, 0, 0, 0, 0)
+    else:
+        query, cos, sin, query_weight, key_weight, eps = rotation
+        check_rotation(query, key, cos, sin, query_weight, key_weight)
+        query, cos, sin = query.contiguous(), cos.contiguous(), sin.contiguous()
+        query_out = torch.empty_like(query)
+        ratio = query.shape[1] // heads
+        constants = dict(ROTATE=True, NORM=query_weight is not None, RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio))
+        rotation_args = (
+            query, query_out, cos, sin, key if query_weight is None else query_weight, key if key_weight is None else key_weight,
+            eps, *query.stride()[:2], *query_out.stride()[:2],
+            cos.stride(0) if cos.shape[0] > 1 else 0, sin.stride(0) if sin.shape[0] > 1 else 0,  # [1, 1, D]: one position for all
+        )  # fmt: skip
     pdl = launch_pdl(key)
     _append_token_kernel[(batch, heads)](
         key, value, order, sinks_k, sinks_v, sink_len,
         residual_k, residual_v, residual_len,
         high, low, k_scale, k_zero, v_codes, v_scale, v_zero,
         num_groups, overflowed, arrivals,
+        *rotation_args[:7],
         heads, sink_cap, residual_cap, group_cap, residual_cap // group_size,
+        *rotation_args[7:],
         *key.stride()[:2], *value.stride()[:2], *order.stride(),
         *sink_keys.stride()[:3], *sink_values.stride()[:3],
         *residual_keys.stride(), *residual_values.stride(),
@@ -161,9 +239,45 @@ def triton_decode_append(
         NUM_HIGH=key_codes_high.shape[-1], G=group_size,
         BITS_HIGH=key_codes_high.shape[3], BITS_LOW=key_codes_low.shape[3],
         **value_layout(head_dim, value_scale.shape[-1], value_codes.shape[3]),  # D, GV, ...
-        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, PDL=pdl, launch_pdl=pdl,
+        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, **constants, PDL=pdl, launch_pdl=pdl,
         enable_fp_fusion=False,  # the quantizers' codes must match torch (kernels/common.py)
     )  # fmt: skip
+    return query_out
+
+
+def check_rotation(query, key, cos, sin, query_norm_weight, key_norm_weight) -> None:
+    """Raise ``ValueError`` for arguments :func:`decode_rotate_append` cannot take."""
+    batch, heads, head_dim = key.shape
+    if query.shape[0] != batch or query.shape[2] != head_dim or query.shape[1] % heads or head_dim % 2:
+        raise ValueError(
+            f"decode_rotate_append needs query [B, Hq, D] and key [B, H, D] with Hq a multiple of H and D even; "
+            f"got {list(query.shape)} and {list(key.shape)}"
+        )
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() != 3 or table.shape[0] not in (1, batch) or table.shape[1:] != (1, head_dim):
+            raise ValueError(f"{name} must be [B, 1, D] or [1, 1, D] with B={batch}, D={head_dim}; got {list(table.shape)}")
+    if (query_norm_weight is None) != (key_norm_weight is None):
+        raise ValueError("query_norm_weight and key_norm_weight: give both (q/k norms) or neither")
+
+
+def rms_norm_reference(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' RMSNorm (Llama family, Qwen3's q/k norms) over the last dim, in its order of operations."""
+    floats = heads.to(torch.float32)
+    floats = floats * torch.rsqrt(floats.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * floats.to(heads.dtype)
+
+
+def rotate_half_reference(query, key, cos, sin, query_norm_weight=None, key_norm_weight=None, norm_eps: float = 0.0):
+    """The q/k norms (when weights are given) and RoPE with the rotate_half pairing of one token:
+    ``query [B, Hq, D]``, ``key [B, H, D]``, ``cos``/``sin`` ``[B, 1, D]`` (or ``[1, 1, D]``); transformers'
+    arithmetic."""
+    if query_norm_weight is not None:
+        query, key = rms_norm_reference(query, query_norm_weight, norm_eps), rms_norm_reference(key, key_norm_weight, norm_eps)
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), -1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
 
 
 def decode_append_reference(
@@ -249,20 +363,66 @@ def decode_append(
 
 
 @decode_append.register_kernel("cuda")
-def _decode_append_cuda(
-    key, value, order, sink_keys, sink_values, sink_len,
-    residual_keys, residual_values, residual_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
-):
-    triton_decode_append(
-        key, value, order, sink_keys, sink_values, sink_len,
-        residual_keys, residual_values, residual_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
-    )  # fmt: skip
+def _decode_append_cuda(*args):
+    triton_decode_append(*args)
 
 
 @decode_append.register_fake
 def _decode_append_fake(*args):
     return None
+
+
+@torch.library.custom_op("pnmix::decode_rotate_append", mutates_args=_MUTATED)
+def decode_rotate_append(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    query_norm_weight: torch.Tensor | None,
+    key_norm_weight: torch.Tensor | None,
+    norm_eps: float,
+    order: torch.Tensor,
+    sink_keys: torch.Tensor,
+    sink_values: torch.Tensor,
+    sink_len: torch.Tensor,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    residual_len: torch.Tensor,
+    key_codes_high: torch.Tensor,
+    key_codes_low: torch.Tensor,
+    key_scale: torch.Tensor,
+    key_zero: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    value_zero: torch.Tensor,
+    num_groups: torch.Tensor,
+    overflowed: torch.Tensor,
+    arrivals: torch.Tensor,
+    midpoint_correction: bool,
+) -> torch.Tensor:
+    """:func:`decode_append` of one token whose ``query [B, Hq, D]`` and ``key [B, H, D]`` come before
+    the q/k norms (both weights ``[D]``, or both None for none) and RoPE (rotate_half pairing,
+    ``cos``/``sin`` ``[B, 1, D]`` of the token's position as the model's rotary embedding gives them, or
+    ``[1, 1, D]`` for all): normed, rotated, then the key appended; returns the rotated queries. Arithmetic of transformers' modules (:func:`rotate_half_reference`,
+    this default implementation with :func:`decode_append_reference`); CUDA runs it in the append kernel.
+    """
+    check_rotation(query, key, cos, sin, query_norm_weight, key_norm_weight)
+    query, key = rotate_half_reference(query, key, cos, sin, query_norm_weight, key_norm_weight, norm_eps)
+    decode_append_reference(
+        key, value, order, sink_keys, sink_values, sink_len,
+        residual_keys, residual_values, residual_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
+    )  # fmt: skip
+    return query.contiguous()
+
+
+@decode_rotate_append.register_kernel("cuda")
+def _decode_rotate_append_cuda(query, key, value, cos, sin, query_norm_weight, key_norm_weight, norm_eps, *cache):
+    return triton_decode_append(key, value, *cache, rotation=(query, cos, sin, query_norm_weight, key_norm_weight, norm_eps))
+
+
+@decode_rotate_append.register_fake
+def _decode_rotate_append_fake(query, *args):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -27,6 +27,8 @@ class ArchitecturePatch:
             up_proj(x))``), whose one-token products :func:`pnmix_patch.patch_gemv` fuses.
         qk_norm: the module applies ``q_norm``/``k_norm`` per head before RoPE; pair
             norms are taken after them.
+        norm_class: the class of ``q_norm``/``k_norm`` (named as in ``modeling_module``) whose forward
+            the decode append kernel repeats (transformers' RMSNorm); see :meth:`kernel_norms`.
         pairing: RoPE pairing, ``"half"`` (``rotate_half``) or ``"interleaved"``.
     """
 
@@ -35,6 +37,7 @@ class ArchitecturePatch:
     attention_class: str
     mlp_class: str
     qk_norm: bool = False
+    norm_class: str = ""
     pairing: str = "half"
 
     @property
@@ -56,14 +59,35 @@ class ArchitecturePatch:
             )
 
     def project(self, attention: torch.nn.Module, hidden_states: torch.Tensor):
-        """Queries, keys and values ``[B, heads, T, D]`` before RoPE (after q/k norms); one launch for
-        the three products of a token after :func:`pnmix_patch.patch_gemv`."""
+        """Queries, keys and values ``[B, heads, T, D]`` before the q/k norms (:meth:`norms`) and RoPE;
+        one launch for the three products of a token after :func:`pnmix_patch.patch_gemv`."""
         shape = (*hidden_states.shape[:-1], -1, attention.head_dim)
         projections = stacked_products(hidden_states, (attention.q_proj, attention.k_proj, attention.v_proj))
-        query, key, value = (projection.view(shape) for projection in projections)
+        query, key, value = (projection.view(shape).transpose(1, 2) for projection in projections)
+        return query, key, value
+
+    def norms(self, attention: torch.nn.Module, query: torch.Tensor, key: torch.Tensor):
+        """Queries and keys through the module's ``q_norm``/``k_norm`` (per head; Qwen3), or as given."""
         if self.qk_norm:
-            query, key = attention.q_norm(query), attention.k_norm(key)
-        return query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+            return attention.q_norm(query), attention.k_norm(key)
+        return query, key
+
+    def kernel_norms(self, attention: torch.nn.Module):
+        """What the decode append kernel needs to run :meth:`norms` and RoPE itself
+        (``pnmix::decode_rotate_append``): ``(query weight, key weight, eps)``, ``(None, None, 0.0)``
+        without q/k norms; None where it cannot: another RoPE pairing than rotate_half, or norms that
+        are not two modules of ``norm_class`` with one epsilon (the kernel repeats that class's forward).
+        Classes are compared by name: importing the module cannot be traced by ``torch.compile``."""
+        if self.pairing != "half":
+            return None
+        if not self.qk_norm:
+            return None, None, 0.0
+        q_norm, k_norm = attention.q_norm, attention.k_norm
+        norm_type = type(q_norm)
+        ours = norm_type.__name__ == self.norm_class and norm_type.__module__ == self.modeling_module
+        if not (ours and type(k_norm) is norm_type and q_norm.variance_epsilon == k_norm.variance_epsilon):
+            return None
+        return q_norm.weight, k_norm.weight, q_norm.variance_epsilon
 
     def rotary(self):
         """The architecture's own RoPE function ``(query, key, cos, sin) -> (query, key)``

@@ -8,4 +8,5 @@ PATCH = ArchitecturePatch(
     attention_class="Qwen3Attention",
     mlp_class="Qwen3MLP",
     qk_norm=True,
+    norm_class="Qwen3RMSNorm",
 )

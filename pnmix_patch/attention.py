@@ -3,7 +3,8 @@
 The replacement keeps the module's own projections, q/k norms and RoPE (the
 architecture adapter in ``pnmix_patch.patches`` says how), then hands the
 post-RoPE queries, keys and values to the layer's :class:`~pnmix_patch.cache.PNMixLayer`,
-which attends and appends. Without a cache (``use_cache=False``), and for the
+which attends and appends. The decode steps of a static cache take the queries and keys
+before the norms and RoPE instead, and its append kernel does both. Without a cache (``use_cache=False``), and for the
 first chunk into an empty cache (the prefill), it is exact attention through torch
 SDPA (:func:`chunk_attention`).
 
@@ -106,23 +107,33 @@ def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, 
 
 
 def pnmix_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs):
-    """Forward of a patched attention module (bound to the module by ``patch_model``)."""
+    """Forward of a patched attention module (bound to the module by ``patch_model``).
+
+    A decode step into a static cache hands the query and key to the cache before the q/k norms and
+    RoPE: its append kernel does both (``pnmix::decode_rotate_append``, one launch where compiled
+    code takes three), where the architecture allows (the adapter's ``kernel_norms``)."""
     cache = cache if cache is not None else past_key_values
     adapter = self._pnmix_adapter
     query, key, value = adapter.project(self, hidden_states)
     cos, sin = position_embeddings
-    query, key = self._pnmix_rotary(query, key, cos, sin)
     batch, chunk = hidden_states.shape[:2]
-    if cache is None:
-        output = chunk_attention(query, key, value, chunk_validity(attention_mask, batch, chunk, hidden_states.device), self.scaling)
-    else:
+    layer = None
+    if cache is not None:
         layer = cache.layers[self.layer_idx]
         if not hasattr(layer, "attend"):
             raise TypeError(
                 f"a PN-Mix patched model needs a PNMixCache, got {type(cache).__name__} with a {type(layer).__name__} "
                 f"at layer {self.layer_idx}; pass no cache (one is created) or a pnmix_patch.PNMixCache"
             )
-        valid = layer.chunk_validity(attention_mask, batch, chunk, hidden_states.device)
-        output = layer.attend(query, key, value, valid, self.scaling)
+    norms = adapter.kernel_norms(self)
+    if layer is not None and norms is not None and layer.decodes(chunk):
+        output = layer.attend_rotating(query, key, value, cos, sin, norms, self.scaling)
+    else:
+        query, key = self._pnmix_rotary(*adapter.norms(self, query, key), cos, sin)
+        if layer is None:
+            output = chunk_attention(query, key, value, chunk_validity(attention_mask, batch, chunk, hidden_states.device), self.scaling)
+        else:
+            valid = layer.chunk_validity(attention_mask, batch, chunk, hidden_states.device)
+            output = layer.attend(query, key, value, valid, self.scaling)
     output = output.transpose(1, 2).reshape(batch, chunk, -1)
     return self.o_proj(output), None

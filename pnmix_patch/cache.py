@@ -183,6 +183,11 @@ class PNMixLayer(CacheLayerMixin):
         """Bool ``[B, chunk]`` real-token mask of the next chunk (None: all real), from the 4D mask."""
         return chunk_validity(attention_mask, batch, chunk, device)
 
+    def decodes(self, chunk: int) -> bool:
+        """Whether :meth:`attend_rotating` serves a chunk of ``chunk`` tokens: never here (the static
+        cache's decode steps; this cache's run the reference path)."""
+        return False
+
     def attend(
         self,
         query: torch.Tensor,

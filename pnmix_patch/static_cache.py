@@ -26,7 +26,9 @@ Prefill (any chunk of more than one token, and the first chunk) runs the dynamic
 cache's code, host synchronizations included: pair selection and the first packing
 are outside the graph. A decode step (one token per sequence) is sync-free:
 ``pnmix::decode_append`` writes the token and flushes a full residual buffer on the
-device, then ``pnmix::decode_attention`` reads the cache. No Python value changes
+device, then ``pnmix::decode_attention`` reads the cache. Patched attention hands a decode
+step's query and key over before the q/k norms and RoPE (:meth:`PNMixStaticLayer.attend_rotating`),
+and ``pnmix::decode_rotate_append`` does those in the same kernel. No Python value changes
 from step to step, so nothing recompiles as the sequence grows.
 
 Decode tokens are taken as real tokens (``generate`` never feeds padding after the
@@ -44,7 +46,7 @@ import torch
 from .attention import chunk_validity
 from .cache import _STATE, PNMixCache, PNMixLayer
 from .config import PNMixConfig
-from .kernels.decode_append import decode_append
+from .kernels.decode_append import decode_append, decode_rotate_append
 from .kernels.decode_attention import decode_attention
 from .quantize import channel_order
 
@@ -228,12 +230,8 @@ class PNMixStaticLayer(PNMixLayer):
         return chunk_validity(attention_mask, batch, chunk, device, start=self.seen_tokens)
 
     def attend(self, query, key, value, valid, scaling):
-        if self.prefilled and key.shape[2] == 1:
-            if not torch.compiler.is_compiling() and self.seen_tokens + 1 > self.max_cache_len:
-                raise ValueError(
-                    f"the PN-Mix cache holds at most max_cache_len={self.max_cache_len} positions; "
-                    f"{self.seen_tokens} are cached and 1 more was given"
-                )
+        if self.decodes(key.shape[2]):
+            self._check_room()
             return self._decode_step(query, key, value, scaling)
         if self.is_initialized and self.seen_tokens == 0 and key.shape[0] != self.batch_size:
             # An emptied cache meets a new batch size: allocate again (every layer sharing the storage).
@@ -252,19 +250,42 @@ class PNMixStaticLayer(PNMixLayer):
         self.prefilled = True
         return output
 
-    def _decode_step(self, query, key, value, scaling) -> torch.Tensor:
+    def decodes(self, chunk: int) -> bool:
+        """Whether a chunk of ``chunk`` tokens per sequence is a decode step (see the module docstring)."""
+        return self.prefilled and chunk == 1
+
+    def attend_rotating(self, query, key, value, cos, sin, norms, scaling):
+        """:meth:`attend` for a decode step (:meth:`decodes`) whose query and key ``[B, heads, 1, D]`` come
+        before the q/k norms and RoPE (rotate_half pairing; ``cos``/``sin`` ``[B, 1, D]``): the append
+        kernel norms and rotates them (``pnmix::decode_rotate_append``). ``norms``: ``(query weight, key
+        weight, eps)``, or ``(None, None, 0.0)`` without norms."""
+        self._check_room()
+        return self._decode_step(query, key, value, scaling, rotation=(cos, sin, *norms))
+
+    def _check_room(self) -> None:
+        if not torch.compiler.is_compiling() and self.seen_tokens + 1 > self.max_cache_len:
+            raise ValueError(
+                f"the PN-Mix cache holds at most max_cache_len={self.max_cache_len} positions; "
+                f"{self.seen_tokens} are cached and 1 more was given"
+            )
+
+    def _decode_step(self, query, key, value, scaling, rotation=None) -> torch.Tensor:
         s = {name: self._state(name) for name in _DECODE_STATE}
         packed = [s[name] for name in ("key_codes_high", "key_codes_low", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")]
-        decode_append(
-            key[:, :, 0], value[:, :, 0], s["order"],
-            s["sink_keys"], s["sink_values"], s["sink_len"],
+        cache = (
+            s["order"], s["sink_keys"], s["sink_values"], s["sink_len"],
             s["residual_keys"], s["residual_values"], s["residual_len"],
             *packed, s["num_groups"], s["overflowed"], s["arrivals"],
             self.midpoint_correction,
         )  # fmt: skip
+        if rotation is None:
+            decode_append(key[:, :, 0], value[:, :, 0], *cache)
+            query = query[:, :, 0]
+        else:
+            query = decode_rotate_append(query[:, :, 0], key[:, :, 0], value[:, :, 0], *rotation, *cache)
         s["cumulative_length"].add_(1)
         output = decode_attention(
-            query[:, :, 0], s["order"],
+            query, s["order"],
             s["sink_keys"], s["sink_values"], s["sink_len"],
             *packed, s["num_groups"],
             s["residual_keys"], s["residual_values"], s["residual_len"], scaling, s["overflowed"],

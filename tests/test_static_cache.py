@@ -49,6 +49,43 @@ def test_static_layer_matches_dynamic_layer(name):
     assert static.get_seq_length().item() == dynamic.get_seq_length() == 390
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))]
+)
+def test_decode_steps_norm_and_rotate_in_the_append_and_match_the_dynamic_cache(architecture, device, monkeypatch):
+    """Every architecture: a static cache's decode steps hand the query and key to
+    ``pnmix::decode_rotate_append`` before the q/k norms (Qwen3) and RoPE, and give the logits of the
+    dynamic cache, whose path runs the modules' own norms and RoPE, over 300 steps (float32; on CUDA the
+    append and attention kernels against the dynamic cache's PyTorch code). The cache keeps every token
+    unquantized (``fp16`` preset): a key one rounding apart may flip a quantized code, which would need a
+    loose tolerance here; the kernel tests check the rotated keys' flushes."""
+    from pnmix_patch import static_cache
+
+    calls = []
+
+    def counting(*args):
+        calls.append(args[5] is not None)  # the q/k norm weights, given for Qwen3 only
+        return fused(*args)
+
+    fused = static_cache.decode_rotate_append
+    monkeypatch.setattr(static_cache, "decode_rotate_append", counting)
+    model = patch_model(tiny_model(architecture).to(device), "fp16")
+    prompt = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0)).to(device)
+    steps = 300
+    logits, tokens = {}, []  # the dynamic cache's greedy tokens, fed to both (a near tie cannot fork them)
+    for kind, cache in (("dynamic", new_cache(model)), ("static", new_cache(model, prompt.shape[1] + steps, static=True))):
+        with torch.no_grad():
+            token, rows = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1), []
+            for step in range(steps):
+                rows.append(model(input_ids=tokens[step] if kind == "static" else token, **{CACHE_KWARG: cache}).logits[:, -1])
+                if kind == "dynamic":
+                    tokens.append(token)
+                    token = rows[-1].argmax(-1, keepdim=True)
+        logits[kind] = torch.stack(rows)
+    torch.testing.assert_close(logits["static"], logits["dynamic"], rtol=0, atol=1e-5 if device == "cpu" else 1e-4)
+    assert len(calls) == steps * model.config.num_hidden_layers and set(calls) == {architecture == "qwen3"}
+
+
 def test_storage_is_preallocated_and_keeps_its_addresses():
     layer = PNMixStaticLayer(SMALL, max_cache_len=4 + 64 * 3 + 1)
     query, key, value = chunk(2, 2, 10, 32, 0)

@@ -27,6 +27,8 @@ def test_launch_pdl_only_on_cuda_tensors_of_a_hopper_or_newer_gpu(monkeypatch):
 
 
 I32, I64, F32 = "*i32", "*i64", "*fp32"
+APPEND_POINTERS = {"order_ptr": I64, "sink_len_ptr": I32, "res_len_ptr": I32, "high_ptr": I32, "low_ptr": I32, "vc_ptr": I32,
+                   "num_groups_ptr": I32, "overflow_ptr": "*i1", "arrivals_ptr": I32}
 KERNELS = {
     "gemv": ("pnmix_patch.kernels.gemv", "_gemv_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=1024, EVEN_K=True)"),
     "gemv_swiglu": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=512, EVEN_K=True)"),
@@ -35,11 +37,14 @@ KERNELS = {
     "combine": ("pnmix_patch.kernels.decode_attention", "_decode_combine_kernel",
                 {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "overflow_ptr": "*i1"},
                 "dict(D=128, BLOCK_D=128, BLOCK_S=64, HAS_OVERFLOW=True)"),
-    "append": ("pnmix_patch.kernels.decode_append", "_append_token_kernel",
-               {"order_ptr": I64, "sink_len_ptr": I32, "res_len_ptr": I32, "high_ptr": I32, "low_ptr": I32, "vc_ptr": I32,
-                "num_groups_ptr": I32, "overflow_ptr": "*i1", "arrivals_ptr": I32},
+    "append": ("pnmix_patch.kernels.decode_append", "_append_token_kernel", APPEND_POINTERS,
                "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, "
+               "ROTATE=False, NORM=False, RATIO=1, BLOCK_R=1, "
                "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))"),
+    "append-rotate": ("pnmix_patch.kernels.decode_append", "_append_token_kernel", APPEND_POINTERS,
+                      "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, "
+                      "ROTATE=True, NORM=True, RATIO=4, BLOCK_R=4, "
+                      "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))"),
     "split-triton": ("pnmix_patch.kernels.decode_attention", "_decode_split_kernel",
                      {"order_ptr": I64, "kc_high_ptr": I32, "kc_low_ptr": I32, "vc_ptr": I32, "sink_len_ptr": I32,
                       "num_groups_ptr": I32, "res_len_ptr": I32, "m_out_ptr": F32, "l_out_ptr": F32, "acc_out_ptr": F32},
@@ -62,7 +67,7 @@ module, name, types, constants, pdl = sys.argv[1], sys.argv[2], eval(sys.argv[3]
 kernel = getattr(importlib.import_module(module), name)
 constants["PDL"] = pdl
 signature = {n: "constexpr" if n in constants else types.get(n, "*bf16") if n.endswith("_ptr")
-             else "fp32" if n == "qk_scale" else "i32" for n in kernel.arg_names}
+             else "fp32" if n in ("qk_scale", "eps") else "i32" for n in kernel.arg_names}
 source = (GluonASTSource if name.endswith("_mma") else ASTSource)(kernel, signature, constants)
 print(triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"])
 """

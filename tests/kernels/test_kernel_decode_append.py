@@ -4,7 +4,13 @@ import pytest
 import torch
 from kernel_cases import LAYOUTS, num_high, random_order, seeded
 
-from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference, triton_decode_append
+from pnmix_patch.kernels.decode_append import (
+    decode_append,
+    decode_append_reference,
+    decode_rotate_append,
+    rotate_half_reference,
+    triton_decode_append,
+)
 from pnmix_patch.quantize import scale_dtype_for
 
 # The interpreter evaluates masked-off lanes with numpy, which warns about inf - inf or 1 / 0.
@@ -105,3 +111,102 @@ def test_decode_append_op():
     decode_append_reference(*expected)
     decode_append(*args)
     assert all(torch.equal(a, b) for a, b in zip(args, expected) if isinstance(a, torch.Tensor))
+
+
+def rotation_inputs(generator, batch, query_heads, heads, head_dim, dtype, norms, shared_position):
+    """Query ``[B, Hq, D]``, cos/sin ``[B or 1, 1, D]`` (a real table: cos^2 + sin^2 = 1) and norm weights."""
+    angles = torch.rand(1 if shared_position else batch, 1, head_dim // 2, generator=generator) * 100
+    angles = torch.cat((angles, angles), -1)
+    weights = [(1 + torch.randn(head_dim, generator=generator) / 4).to(dtype) for _ in range(2)] if norms else [None, None]
+    return (torch.randn(batch, query_heads, head_dim, generator=generator).to(dtype) * 3,
+            angles.cos().to(dtype), angles.sin().to(dtype), *weights, 1e-6)  # fmt: skip
+
+
+def check_rotated(args, rotation, tolerance):
+    """The kernel (interpreted) against the reference: rotated queries and the appended key within
+    ``tolerance`` (the norm's sum may round differently), every other tensor exactly."""
+    expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    query, key = rotate_half_reference(rotation[0], expected[0], *rotation[1:])
+    decode_append_reference(key, *expected[1:])
+    got = triton_decode_append(*args, rotation=rotation)
+    torch.testing.assert_close(got, query, atol=tolerance, rtol=tolerance)
+    for index, (got, want) in enumerate(zip(args, expected)):
+        if index in (3, 6):  # sinks and residual keys: where the rotated key lands
+            torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
+        elif isinstance(got, torch.Tensor) and index > 0:
+            assert torch.equal(got, want), f"argument {index} differs"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("norms", [True, False])
+@pytest.mark.parametrize("ratio, head_dim, shared_position", [(1, 64, False), (4, 64, True), (7, 32, False)])
+def test_rotate_and_append_match_reference(dtype, norms, ratio, head_dim, shared_position):
+    """``decode_rotate_append``'s kernel: q/k norms (or none) and RoPE of the query heads of each KV head
+    (GQA ratios 1, 4 and 7: a padded block of rows) and of the key, then the append: into a sink, into
+    the residual, and after a flush."""
+    generator = seeded()
+    args = static_state(
+        generator, "pnmix-1", head_dim, dtype, sink_len=[5, 8, 8], residual_len=[0, 17, 128], num_groups=[0, 1, 1],
+        sink_cap=8, residual_cap=128, group_cap=3,
+    )  # fmt: skip
+    rotation = rotation_inputs(generator, 3, ratio * HEADS, HEADS, head_dim, dtype, norms, shared_position)
+    check_rotated(args, rotation, 2e-3 if dtype == torch.float16 else 2e-6)
+    assert args[8].tolist() == [0, 18, 1] and args[16].tolist() == [0, 1, 2]
+
+
+def test_rotation_reference_is_transformers_arithmetic():
+    """:func:`rotate_half_reference` gives, bit for bit, what Qwen3's ``q_norm``/``k_norm`` modules and
+    transformers' ``apply_rotary_pos_emb`` give (the code the fused kernel stands in for)."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    generator = seeded()
+    for dtype in (torch.float32, torch.bfloat16):
+        query, cos, sin, query_weight, key_weight, eps = rotation_inputs(generator, 2, 8, 2, 64, dtype, True, False)
+        key = torch.randn(2, 2, 64, generator=generator).to(dtype)
+        q_norm, k_norm = Qwen3RMSNorm(64, eps).to(dtype), Qwen3RMSNorm(64, eps).to(dtype)
+        q_norm.weight.data, k_norm.weight.data = query_weight, key_weight
+        with torch.no_grad():
+            want = apply_rotary_pos_emb(q_norm(query[:, :, None]), k_norm(key[:, :, None]), cos, sin)
+        got = rotate_half_reference(query, key, cos, sin, query_weight, key_weight, eps)
+        assert all(torch.equal(g, w[:, :, 0]) for g, w in zip(got, want))
+
+
+def test_decode_rotate_append_op_and_its_errors():
+    generator = seeded()
+    args = static_state(
+        generator, "pnmix-2", 64, torch.float16, sink_len=[3, 8], residual_len=[0, 128], num_groups=[0, 2],
+        sink_cap=8, residual_cap=128, group_cap=4,
+    )  # fmt: skip
+    query, cos, sin, query_weight, key_weight, eps = rotation_inputs(generator, 2, 8, HEADS, 64, torch.float16, True, False)
+    call = [query, args[0], args[1], cos, sin, query_weight, key_weight, eps, *args[2:]]
+    torch.library.opcheck(torch.ops.pnmix.decode_rotate_append.default, call)
+    with pytest.raises(ValueError, match="give both"):
+        decode_rotate_append(*call[:6], None, *call[7:])
+    with pytest.raises(ValueError, match=r"cos must be \[B, 1, D\] or \[1, 1, D\] with B=2, D=64; got \[2, 64\]"):
+        decode_rotate_append(*call[:3], cos[:, 0], *call[4:])
+    with pytest.raises(ValueError, match=r"Hq a multiple of H.*got \[2, 7, 64\]"):
+        decode_rotate_append(query[:, :7], *call[1:])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("norms", [True, False])
+def test_rotate_and_append_on_cuda_in_bf16(norms):
+    """The compiled kernel in bf16, head dim 128 and 4 query heads per KV head (Qwen3-8B's and Llama-3.1-8B's),
+    against the reference, one sequence per append case."""
+    generator = seeded()
+    args = static_state(
+        generator, "pnmix-1", 128, torch.bfloat16, sink_len=[5, 8, 8], residual_len=[0, 17, 128], num_groups=[0, 1, 1],
+        sink_cap=8, residual_cap=128, group_cap=3,
+    )  # fmt: skip
+    rotation = rotation_inputs(generator, 3, 4 * HEADS, HEADS, 128, torch.bfloat16, norms, False)
+    expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    query, key = rotate_half_reference(rotation[0], expected[0], *rotation[1:])
+    decode_append_reference(key, *expected[1:])
+    on_device = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+    got = triton_decode_append(*on_device, rotation=[r.cuda() if isinstance(r, torch.Tensor) else r for r in rotation])
+    torch.testing.assert_close(got.cpu(), query, atol=2e-2, rtol=2e-2)  # one bf16 rounding apart at most
+    for index, (got, want) in enumerate(zip(on_device, expected)):
+        if index in (3, 6):
+            torch.testing.assert_close(got.cpu(), want, atol=2e-2, rtol=2e-2)
+        elif isinstance(got, torch.Tensor) and index > 0:
+            assert torch.equal(got.cpu(), want), f"argument {index} differs"
