@@ -18,7 +18,7 @@ linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.pa
 the weights faster than cuBLAS at batch 1 on an H200. ``--pdl`` (experimental; GPUs of compute
 capability 9.0 and up) launches the step's kernels, the library's and Inductor's, with programmatic
 dependent launch: each may start while the one before it finishes (``benchmarks/RESULTS.md``,
-twenty-second session: 0.964x the time of Qwen3-8B's graphed step at 32K on an H200).
+twenty-third session: 0.973x the time of Qwen3-8B's graphed step at 32K and 0.992x at 1K on an H200).
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus

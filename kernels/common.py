@@ -26,10 +26,10 @@ PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
 and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
 it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import.
-Measured on an H200 (``benchmarks/bench_decode.py --pdl-ab``, Qwen3-8B graphed at 32K): 0.964x the
-step's time (median of turns) with Inductor's kernels launched with PDL too
+Measured on an H200 (``benchmarks/bench_decode.py --pdl-ab``, Qwen3-8B graphed): 0.973x the step's time
+at 32K and 0.992x at 1K (medians of turns) with Inductor's kernels launched with PDL too
 (``torch._inductor.config.triton.enable_pdl``); alone (with an earlier placement of the signal) no
-gain; 1K not yet measured with the current kernels."""
+gain; Llama-3.1-8B not measured."""
 
 
 @triton.jit
