@@ -604,7 +604,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     rows moves its ratios (by up to 0.66 ms of a ``reduce-overhead`` call in the seventeenth
     session); here it falls on both.
 
-    The variants are two model instances, so that both compiled steps live at once. Each compiled
+    The variants are two model instances (three with ``rotation_ab``), so that the compiled steps live at once. Each compiled
     step has a code object of its own (:func:`own_forward`): one Dynamo entry, as after the reset that
     :func:`time_model` does before each compile. Automatic dynamic shapes are off, so bf16's step for
     a new static size compiles static, as it would alone. The PN-Mix row also has the ratio of the

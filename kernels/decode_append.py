@@ -60,14 +60,16 @@ def _rotate_rows(
     """Rows ``[R, BLOCK_D]`` at ``base + rows * row_stride`` through transformers' RMSNorm (``NORM``:
     float32 variance and scale, back to the input dtype, times the weight) and RoPE with the
     rotate_half pairing (channel ``d`` pairs with ``partner = (d + D/2) % D``, ``sign`` -1 below
-    ``D/2``). Every product and sum is rounded to the input dtype, as eager torch rounds them."""
+    ``D/2``). Every product and sum is rounded to the input dtype, as eager torch rounds them; the sum of
+    squares may add in another order than torch's (an ulp apart in float32)."""
     mask = row_mask[:, None] & d_mask[None, :]
     x = tl.load(base + rows[:, None] * row_stride + offs_d[None, :], mask=mask, other=0.0)
     x_partner = tl.load(base + rows[:, None] * row_stride + partner[None, :], mask=mask, other=0.0)
     dtype = x.dtype
     x, x_partner = x.to(tl.float32), x_partner.to(tl.float32)
     if NORM:
-        inverse_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(x * x, 1) / D + eps))[:, None]
+        # Correctly rounded: torch.rsqrt on CPU; CUDA's eager rsqrt may differ from it by an ulp.
+        inverse_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(x * x, 1), D * 1.0) + eps))[:, None]
         x = (weight[None, :] * (x * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
         x_partner = (weight_partner[None, :] * (x_partner * inverse_rms).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     rotated = (x * cos[None, :]).to(dtype).to(tl.float32) + (sign[None, :] * x_partner * sin[None, :]).to(dtype).to(tl.float32)
@@ -258,6 +260,16 @@ def check_rotation(query, key, cos, sin, query_norm_weight, key_norm_weight) -> 
             raise ValueError(f"{name} must be [B, 1, D] or [1, 1, D] with B={batch}, D={head_dim}; got {list(table.shape)}")
     if (query_norm_weight is None) != (key_norm_weight is None):
         raise ValueError("query_norm_weight and key_norm_weight: give both (q/k norms) or neither")
+    others = (("key", key), ("cos", cos), ("sin", sin), ("query_norm_weight", query_norm_weight), ("key_norm_weight", key_norm_weight))
+    for name, tensor in others:
+        if tensor is not None and (tensor.dtype != query.dtype or tensor.device != query.device):
+            raise ValueError(
+                f"{name} is {tensor.dtype} on {tensor.device}; the query is {query.dtype} on {query.device}: "
+                "decode_rotate_append takes them all in one dtype, on one device"
+            )
+    for name, weight in others[3:]:
+        if weight is not None and weight.shape != (head_dim,):
+            raise ValueError(f"{name} must be [D] = [{head_dim}]; got {list(weight.shape)}")
 
 
 def rms_norm_reference(heads: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -184,8 +184,8 @@ class PNMixLayer(CacheLayerMixin):
         return chunk_validity(attention_mask, batch, chunk, device)
 
     def decodes(self, chunk: int) -> bool:
-        """Whether :meth:`attend_rotating` serves a chunk of ``chunk`` tokens: never here (the static
-        cache's decode steps; this cache's run the reference path)."""
+        """Whether a chunk of ``chunk`` tokens is a decode step that ``attend_rotating`` serves: never here
+        (:class:`~pnmix_patch.static_cache.PNMixStaticLayer` has it; this cache's steps run the reference path)."""
         return False
 
     def attend(

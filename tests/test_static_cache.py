@@ -55,10 +55,10 @@ def test_static_layer_matches_dynamic_layer(name):
 def test_decode_steps_norm_and_rotate_in_the_append_and_match_the_dynamic_cache(architecture, device, monkeypatch):
     """Every architecture: a static cache's decode steps hand the query and key to
     ``pnmix::decode_rotate_append`` before the q/k norms (Qwen3) and RoPE, and give the logits of the
-    dynamic cache, whose path runs the modules' own norms and RoPE, over 300 steps (float32; on CUDA the
-    append and attention kernels against the dynamic cache's PyTorch code). The cache keeps every token
-    unquantized (``fp16`` preset): a key one rounding apart may flip a quantized code, which would need a
-    loose tolerance here; the kernel tests check the rotated keys' flushes."""
+    dynamic cache, whose path runs the modules' own norms (random weights) and RoPE, over 300 steps with
+    flushes (float32). On CUDA the append and attention kernels against the dynamic cache's PyTorch code,
+    with the cache unquantized (``fp16`` preset): a key one rounding apart there may flip a quantized code.
+    On CPU the op runs the reference, which repeats the modules' operations."""
     from pnmix_patch import static_cache
 
     calls = []
@@ -69,7 +69,8 @@ def test_decode_steps_norm_and_rotate_in_the_append_and_match_the_dynamic_cache(
 
     fused = static_cache.decode_rotate_append
     monkeypatch.setattr(static_cache, "decode_rotate_append", counting)
-    model = patch_model(tiny_model(architecture).to(device), "fp16")
+    model = patch_model(tiny_model(architecture).to(device), SMALL if device == "cpu" else "fp16")
+    randomize_qk_norms(model)
     prompt = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0)).to(device)
     steps = 300
     logits, tokens = {}, []  # the dynamic cache's greedy tokens, fed to both (a near tie cannot fork them)
@@ -84,6 +85,15 @@ def test_decode_steps_norm_and_rotate_in_the_append_and_match_the_dynamic_cache(
         logits[kind] = torch.stack(rows)
     torch.testing.assert_close(logits["static"], logits["dynamic"], rtol=0, atol=1e-5 if device == "cpu" else 1e-4)
     assert len(calls) == steps * model.config.num_hidden_layers and set(calls) == {architecture == "qwen3"}
+
+
+def randomize_qk_norms(model) -> None:
+    """Qwen3's q/k norm weights start as ones: make them differ from each other and from ones."""
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                parameter.copy_(1 + torch.randn(parameter.shape, generator=generator) / 4)
 
 
 def test_storage_is_preallocated_and_keeps_its_addresses():
@@ -140,12 +150,14 @@ def greedy(forward, model, cache, prompt, steps):
     return torch.cat(tokens, 1)
 
 
-def test_compiled_decode_step_has_no_graph_break_and_no_recompile():
-    """2,000 decode steps (31 flushes) through ``torch.compile(fullgraph=True)``: one graph,
-    compiled once, the same greedy tokens as eager decoding with the dynamic cache."""
-    model = patch_model(tiny_model("llama"), SMALL)
+@pytest.mark.parametrize("architecture, steps", [("llama", 2000), ("qwen3", 300)])
+def test_compiled_decode_step_has_no_graph_break_and_no_recompile(architecture, steps):
+    """2,000 decode steps (31 flushes; Qwen3, whose q/k norms run in the append kernel with random
+    weights: 300) through ``torch.compile(fullgraph=True)``: one graph, compiled once, the same greedy
+    tokens as eager decoding with the dynamic cache."""
+    model = patch_model(tiny_model(architecture), SMALL)
+    randomize_qk_norms(model)
     prompt = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
-    steps = 2000
     torch._dynamo.reset()
     counters.clear()
     compiled = torch.compile(model.forward, fullgraph=True, mode="default")
