@@ -125,8 +125,8 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
                 f"a PN-Mix patched model needs a PNMixCache, got {type(cache).__name__} with a {type(layer).__name__} "
                 f"at layer {self.layer_idx}; pass no cache (one is created) or a pnmix_patch.PNMixCache"
             )
-    norms = adapter.kernel_norms(self)
-    if layer is not None and norms is not None and layer.decodes(chunk):
+    norms = adapter.kernel_norms(self) if layer is not None and layer.decodes(chunk) else None
+    if norms is not None:
         output = layer.attend_rotating(query, key, value, cos, sin, norms, self.scaling)
     else:
         query, key = self._pnmix_rotary(*adapter.norms(self, query, key), cos, sin)
