@@ -39,14 +39,14 @@ time when calls are not synchronized one by one.
 
 ``--interleaved`` times only the fair bf16 and PN-Mix compiled rows (of ``--paths``), their
 synchronized steps taking turns of ``--turn`` steps in one loop, the first ``--untimed`` of each
-turn not timed (two model instances, 100 timed steps each; see :func:`time_interleaved`): the rows timed one after the other let the host time of a
+turn not timed (two model instances, 100 timed steps each, ``--batch`` sequences per step, default 1;
+see :func:`time_interleaved`): the rows timed one after the other let the host time of a
 ``reduce-overhead`` call drift between them by more than the difference being measured.
 
-``--pdl-ab`` (with ``--interleaved --paths graphed``) also captures each step with the library's kernels
-launched without programmatic dependent launch (``pnmix_patch.kernels.common.PDL``), the four graphs
-taking turns. With ``--inductor-pdl`` too, the PDL variants' steps are also compiled with Inductor's own
-kernels launched with PDL (``torch._inductor.config.triton.enable_pdl``), the ``-nopdl`` ones without:
-a compile of its own for each.
+``--pdl-ab`` (with ``--interleaved --paths graphed``) also times each step replayed without programmatic dependent
+launch (``GraphedDecodeStep(..., pdl=False)``: neither the library's kernels nor Inductor's), compiled anew, the four
+graphs taking turns. The graphed rows otherwise use :class:`~pnmix_patch.GraphedDecodeStep`'s default: PDL on GPUs of
+compute capability 9.0 and up.
 
 ``--gemv`` routes every variant's one-token linear products (bf16's too, so the ratios stay fair) through
 ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
@@ -350,17 +350,17 @@ def fill_bf16(cache, context: int) -> int:
     return nbytes
 
 
-def graphed_forward(model, cache, reset=True):
+def graphed_forward(model, cache, reset=True, pdl=None):
     """A :class:`~pnmix_patch.GraphedDecodeStep` of ``model`` on ``cache`` (fresh Dynamo state unless
-    not ``reset``) behind ``model.forward``'s call shape, as :func:`time_steps` and
-    :func:`profile_steps` call it."""
+    not ``reset``; ``pdl`` as the class takes it) behind ``model.forward``'s call shape, as
+    :func:`time_steps` and :func:`profile_steps` call it."""
     if reset:
         torch._dynamo.reset()
-    step = GraphedDecodeStep(model, cache)
+    step = GraphedDecodeStep(model, cache, pdl=pdl)
     return lambda input_ids, **_: types.SimpleNamespace(logits=step(input_ids))
 
 
-def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0) -> list[dict]:
+def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0, batch=1) -> list[dict]:
     """Synchronized decode steps of each ``(forward, model, cache)`` in ``runs``. With several runs
     they take turns of ``turn`` consecutive steps each, the order reversed every other round (A B,
     B A, ...), so that a drift of the process's host time falls on all of them alike.
@@ -376,7 +376,7 @@ def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0) -> lis
     if not 0 <= untimed < turn:
         raise ValueError(f"untimed={untimed}: allowed 0 to turn - 1 = {turn - 1}")
     rounds = steps_taken(steps, warmup, turn, untimed) // turn
-    tokens = [torch.zeros(1, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
+    tokens = [torch.zeros(batch, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
     timed = [{"ms": [], "host_us": [], "host_us_by_position": [[] for _ in range(turn)], "turns": []} for _ in runs]
     with torch.no_grad():
         for round_ in range(rounds):
@@ -421,10 +421,10 @@ def kernel_category(kernel: str) -> str:
     return "other"
 
 
-def pipelined_host_time(forward, model, cache, name, calls=PIPELINED_CALLS) -> dict:
+def pipelined_host_time(forward, model, cache, name, calls=PIPELINED_CALLS, batch=1) -> dict:
     """Host cost of a call: launch-only time per call, and the step time when calls are not
     synchronized one by one (the GPU then hides the host work if it is shorter)."""
-    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+    token = torch.zeros(batch, 1, dtype=torch.long, device=model.device)
     with torch.no_grad():
         torch.cuda.synchronize()
         host, started = 0.0, time.perf_counter()
@@ -596,7 +596,7 @@ def own_forward(model) -> None:
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
                      steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False,
-                     inductor_pdl=False, rotation_ab=False) -> list[dict]:  # fmt: skip
+                     rotation_ab=False, batch=1) -> list[dict]:  # fmt: skip
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -610,16 +610,16 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     a new static size compiles static, as it would alone. The PN-Mix row also has the ratio of the
     medians and the median of the per-turn ratios (of each turn's median).
 
-    ``pdl_ab`` (graphed path only): each model's step is captured twice from the same compiled code,
-    with the library's kernels launched with programmatic dependent launch (``kernels.common.PDL``)
-    and without (variants ``...-nopdl``); the four graphs take turns on the two caches
-    (each replay advances its model's cache by a token), and each PDL row gets its ratio to the
-    same model's row without PDL. ``inductor_pdl``: the PDL variants' Inductor kernels too (each capture
-    then compiles its own step).
+    ``pdl_ab`` (graphed path only): each model's step is also compiled and captured without programmatic
+    dependent launch (``GraphedDecodeStep(..., pdl=False)``, variants ``...-nopdl``); the four graphs take
+    turns on the two caches (each replay advances its model's cache by a token), and each PDL row gets its
+    ratio to the same model's row without PDL.
 
     ``rotation_ab``: a third model, PN-Mix with its decode steps' q/k norms and RoPE left to the compiled
     code (:func:`separate_rotation`; variants ``pnmix-...-separate-rope``), takes turns too; the PN-Mix
-    rows get their ratio to it."""
+    rows get their ratio to it.
+
+    ``batch``: sequences decoded per step (each cache filled to the same context)."""
     bf16_model, weight_bytes = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
     pnmix_models = [patch_model(random_model(model_name, device, gemv)[0], "pnmix-1") for _ in range(1 + rotation_ab)]
@@ -627,20 +627,17 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
         separate_rotation(pnmix_models[1])
     name = cache_arg(bf16_model)
     settings = (True, False) if pdl_ab else (True,)
-    steps_per_row = len(settings) * (steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS + GRAPH_SETUP_STEPS)
+    steps_per_row = len(settings) * (steps_taken(steps, turn=turn, untimed=untimed) + PIPELINED_CALLS)
     statics = [new_cache(model, max(contexts) + PROMPT + steps_per_row, static=True) for model in pnmix_models]
     for model, static in zip(pnmix_models, statics):
-        prefill(model, static, name)
+        prefill(model, static, name, batch)
     rows = []
 
     def compiled_step(model, cache, path, pdl=True):
+        own_forward(model)
         if path == "reduce-overhead":
-            own_forward(model)
             return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
-        if not pdl_ab:
-            own_forward(model)
-            return graphed_forward(model, cache, reset=False)
-        return captured_step(model, cache, pdl, inductor_pdl)
+        return graphed_forward(model, cache, reset=False, pdl=None if pdl else False)
 
     pdl_capable = device.type == "cuda" and kernels_common._has_pdl(device.index or 0)  # compute capability 9.0+
     for path in paths:
@@ -648,16 +645,13 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
         variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
         pnmix_labels = [variants[1], f"{variants[1]}-separate-rope"][: len(pnmix_models)]
         pnmix_forwards = {}  # one step serves every context: reset() keeps the cache's addresses
-        if pdl_ab:
-            for model in (bf16_model, *pnmix_models):
-                own_forward(model)
         for context in contexts:
             bf16_cache = StaticCache(config=bf16_model.config, max_cache_len=context + PROMPT + steps_per_row)
-            prefill(bf16_model, bf16_cache, name)
+            prefill(bf16_model, bf16_cache, name, batch)
             bf16_bytes = fill_bf16(bf16_cache, context)
             for model, static in zip(pnmix_models, statics):
                 static.reset()
-                prefill(model, static, name)
+                prefill(model, static, name, batch)
                 pnmix_bytes = fill_pnmix(static, context)
             runs, labels, cache_bytes, launches, baselines = [], [], [], [], []
             for pdl in settings:
@@ -672,16 +666,17 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 labels += [variants[0] + suffix] + [label + suffix for label in pnmix_labels]
                 cache_bytes += [bf16_bytes] + [pnmix_bytes] * len(pnmix_models)
                 # How this row's kernels launched: the library's with PDL or not, Inductor's likewise.
-                launch = {"library_pdl": pdl_capable and (pdl if pdl_ab else kernels_common.PDL),
-                          "inductor_pdl": pdl_capable and ((pdl and inductor_pdl) if pdl_ab else
-                                                           bool(getattr(torch._inductor.config.triton, "enable_pdl", False)))}
+                graphed_pdl = pdl_capable and pdl
+                launch = {"library_pdl": graphed_pdl if path == "graphed" else pdl_capable and kernels_common.PDL,
+                          "inductor_pdl": graphed_pdl if path == "graphed" else
+                          pdl_capable and bool(getattr(torch._inductor.config.triton, "enable_pdl", False))}
                 launches += [launch] * (1 + len(pnmix_models))
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-                timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed)
-                pipelined = [pipelined_host_time(*run, name) for run in runs]
+                timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed, batch=batch)
+                pipelined = [pipelined_host_time(*run, name, batch=batch) for run in runs]
             group = [
                 timing_row(model_name, variant, context, variant_timed, weight_bytes, variant_bytes, bandwidth,
-                           variant_pipelined, interleaved=True, turn=turn, untimed_per_turn=untimed,
+                           variant_pipelined, interleaved=True, batch=batch, turn=turn, untimed_per_turn=untimed,
                            host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]],
                            **launch)
                 for variant, variant_timed, variant_bytes, variant_pipelined, launch in zip(labels, timed, cache_bytes, pipelined, launches)
@@ -713,10 +708,6 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     return rows
 
 
-GRAPH_SETUP_STEPS = 3
-"""Decode steps a :class:`~pnmix_patch.GraphedDecodeStep` runs before its first replay (2 warm-ups, the capture)."""
-
-
 class _SeparateRotation(ArchitecturePatch):
     """An architecture adapter whose decode steps leave the q/k norms and RoPE to the compiled code."""
 
@@ -732,26 +723,6 @@ def separate_rotation(model) -> None:
         adapter = getattr(module, "_pnmix_adapter", None)
         if adapter is not None:
             module._pnmix_adapter = _SeparateRotation(**dataclasses.asdict(adapter))
-
-
-def captured_step(model, cache, pdl: bool, inductor_pdl: bool = False):
-    """:func:`graphed_forward` of ``model`` on ``cache`` (its current Dynamo entry, no reset), captured
-    now with the library's kernels launched with programmatic dependent launch or not (``pdl``,
-    ``kernels.common.PDL``, read when a launch is recorded). ``inductor_pdl``: compiled anew (a code
-    object of its own), Inductor's kernels launched with PDL too when ``pdl``."""
-    if inductor_pdl:
-        own_forward(model)
-    forward = graphed_forward(model, cache, reset=False)
-    token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-    kernels_common.PDL, library_default = pdl, kernels_common.PDL
-    inductor = {"triton.enable_pdl": pdl} if inductor_pdl else {}
-    try:
-        with torch.no_grad(), torch._dynamo.config.patch(automatic_dynamic_shapes=False), torch._inductor.config.patch(inductor):
-            for _ in range(GRAPH_SETUP_STEPS):
-                forward(input_ids=token)
-    finally:
-        kernels_common.PDL = library_default
-    return forward
 
 
 def main() -> None:
@@ -773,12 +744,11 @@ def main() -> None:
     parser.add_argument("--gemv", action="store_true",
                         help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too")
     parser.add_argument("--pdl-ab", action="store_true",
-                        help="with --interleaved --paths graphed: each step also captured with the library's kernels launched without PDL")
-    parser.add_argument("--inductor-pdl", action="store_true",
-                        help="with --pdl-ab: the PDL variants' Inductor kernels launched with PDL too")
+                        help="with --interleaved --paths graphed: each step also compiled and captured without PDL (pdl=False)")
     parser.add_argument("--rotation-ab", action="store_true",
                         help="with --interleaved: also PN-Mix with the decode steps' q/k norms and RoPE compiled by Inductor "
                              "(not in the append kernel)")
+    parser.add_argument("--batch", type=int, default=1, help="with --interleaved: sequences per decode step (default 1)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
     if min(args.contexts) <= PROMPT:
@@ -789,8 +759,8 @@ def main() -> None:
         parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
     if args.rotation_ab and not args.interleaved:
         parser.error("--rotation-ab: allowed only with --interleaved")
-    if args.inductor_pdl and not (args.pdl_ab and hasattr(torch._inductor.config.triton, "enable_pdl")):
-        parser.error("--inductor-pdl: allowed only with --pdl-ab, on a torch whose Inductor has triton.enable_pdl")
+    if args.batch < 1 or args.batch != 1 and not args.interleaved:
+        parser.error(f"--batch {args.batch}: allowed 1 or more, and other than 1 only with --interleaved")
     if (args.turn != TURN or args.untimed is not None) and not args.interleaved:
         parser.error("--turn and --untimed: allowed only with --interleaved")
     if args.untimed is None:
@@ -818,7 +788,7 @@ def main() -> None:
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
                                      turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab,
-                                     inductor_pdl=args.inductor_pdl, rotation_ab=args.rotation_ab)  # fmt: skip
+                                     rotation_ab=args.rotation_ab, batch=args.batch)  # fmt: skip
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
                                args.gemv)
@@ -827,7 +797,7 @@ def main() -> None:
             "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
             "command": "python " + " ".join(sys.argv),
             "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
-            "inductor_pdl": args.inductor_pdl or getattr(torch._inductor.config.triton, "enable_pdl", None),
+            "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
             "checks": checks, "timings": rows,
         }  # fmt: skip
         path.write_text(json.dumps(report, indent=2))

@@ -89,7 +89,7 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
         else:
             forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         if full_run:
-            times = time_steps(forward, model, cache, name, batch, warmup, GENERATED - warmup)
+            times = time_steps([(forward, model, cache)], name, warmup, GENERATED - warmup, batch=batch)[0]["ms"]
             result["full_run"] = {"timed_steps": len(times), "total_ms": sum(times),
                                   "tokens_per_s": batch * len(times) / (sum(times) / 1e3)}  # fmt: skip
             print(f"  {method:8s} B={batch:4d}: full run {result['full_run']['tokens_per_s']:9.0f} tokens/s "
@@ -97,7 +97,8 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
         result["ms_per_step"] = {}
         for length in lengths:
             fill(cache, min(PROMPT + length, positions - warmup - steps - 1))
-            result["ms_per_step"][length] = statistics.median(time_steps(forward, model, cache, name, batch, warmup, steps))
+            timed = time_steps([(forward, model, cache)], name, warmup, steps, batch=batch)[0]["ms"]
+            result["ms_per_step"][length] = statistics.median(timed)
             print(f"  {method:8s} B={batch:4d} positions={positions:6d} length={length:6d}: "
                   f"{result['ms_per_step'][length]:8.2f} ms/step", flush=True)
         del forward

@@ -9,16 +9,19 @@ whole step, cache update and flush included, replays as one CUDA graph.
     python examples/compiled_decode.py --model path/to/model --tokens 1024 --dtype bfloat16
     python examples/compiled_decode.py --graphed
     python examples/compiled_decode.py --graphed --gemv
-    python examples/compiled_decode.py --graphed --gemv --pdl
+    python examples/compiled_decode.py --graphed --gemv --no-pdl
 
 ``--graphed`` replays the step through :class:`pnmix_patch.GraphedDecodeStep` instead: the
 same compiled step captured once as a CUDA graph, without ``torch.compile``'s per-call guards
 and input checks (on CUDA; lower host time per token at batch 1). ``--gemv`` also sends the
 linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), which reads
-the weights faster than cuBLAS at batch 1 on an H200. ``--pdl`` (experimental; GPUs of compute
-capability 9.0 and up) launches the step's kernels, the library's and Inductor's, with programmatic
-dependent launch: each may start while the one before it finishes (``benchmarks/RESULTS.md``,
-twenty-third session: 0.973x the time of Qwen3-8B's graphed step at 32K and 0.992x at 1K on an H200).
+the weights faster than cuBLAS at batch 1 on an H200. On GPUs of compute capability 9.0 and up the
+graphed step's kernels, the library's and Inductor's, launch with programmatic dependent launch: each
+may start while the one before it finishes (``benchmarks/RESULTS.md``, twenty-fourth session: 0.969-0.971x
+the time of the graphed step at 32K, 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B on an H200).
+``--no-pdl`` turns it off. Through ``reduce-overhead`` it is the user's to turn on: ``PNMIX_PDL=1`` in
+the environment before the import and ``torch._inductor.config.triton.enable_pdl = True`` before the
+first compile (not measured on that path).
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus
@@ -42,15 +45,10 @@ parser.add_argument("--tokens", type=int, default=512, help="tokens to generate"
 parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"], help="default: bf16 on CUDA, fp32 on CPU")
 parser.add_argument("--graphed", action="store_true", help="replay the step with GraphedDecodeStep")
 parser.add_argument("--gemv", action="store_true", help="one-token linear products through pnmix::gemv (patch_gemv)")
-parser.add_argument("--pdl", action="store_true", help="kernels launched with programmatic dependent launch (experimental)")
+parser.add_argument("--no-pdl", action="store_true", help="with --graphed: no programmatic dependent launch")
 args = parser.parse_args()
-if args.pdl:  # before the first compile and launch; no effect on CPU or GPUs older than compute capability 9.0
-    import torch._inductor.config
-
-    from pnmix_patch.kernels import common
-
-    common.PDL = True
-    torch._inductor.config.triton.enable_pdl = True
+if args.no_pdl and not args.graphed:
+    parser.error("--no-pdl: allowed only with --graphed")
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
@@ -66,7 +64,7 @@ prompt = prompt["input_ids"].to(device)
 cache = new_cache(model, max_cache_len=prompt.shape[1] + args.tokens, static=True)
 # Compile the decode step only: a prefill chunk has another shape and host-side work.
 if args.graphed:
-    graphed = GraphedDecodeStep(model, cache)
+    graphed = GraphedDecodeStep(model, cache, pdl=False if args.no_pdl else None)
 
     def decode_step(input_ids, **_):
         return SimpleNamespace(logits=graphed(input_ids))

@@ -15,6 +15,7 @@ exactly (see that module's docstring for the formulas):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -25,11 +26,25 @@ import triton.language as tl
 PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
 and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
-it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import.
-Measured on an H200 (``benchmarks/bench_decode.py --pdl-ab``, Qwen3-8B graphed): 0.973x the step's time
-at 32K and 0.992x at 1K (medians of turns) with Inductor's kernels launched with PDL too
-(``torch._inductor.config.triton.enable_pdl``); alone (with an earlier placement of the signal) no
-gain; Llama-3.1-8B not measured."""
+it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import;
+:class:`~pnmix_patch.GraphedDecodeStep` turns it on for its own warm-up and capture
+(:func:`programmatic_dependent_launch`), with Inductor's kernels launched the same way. Measured on an H200
+(``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels with PDL): 0.969-0.973x
+the step's time at 32K and 0.990-0.993x at 1K (medians of turns, Qwen3-8B and Llama-3.1-8B); the
+library's kernels alone (with an earlier placement of the signal) gained nothing."""
+
+
+@contextlib.contextmanager
+def programmatic_dependent_launch(enabled: bool):
+    """Within the block the library's kernels launch with programmatic dependent launch if ``enabled``
+    (where the GPU has it), and without it if not, whatever :data:`PDL` says; a CUDA graph captured in
+    the block records its launches so."""
+    global PDL
+    outside, PDL = PDL, enabled
+    try:
+        yield
+    finally:
+        PDL = outside
 
 
 @triton.jit

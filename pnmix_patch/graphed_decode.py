@@ -25,6 +25,9 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch._inductor.config
+
+from .kernels import common
 
 
 class GraphedDecodeStep:
@@ -36,6 +39,9 @@ class GraphedDecodeStep:
             addresses: :class:`~pnmix_patch.PNMixStaticCache` or transformers' ``StaticCache``.
         warmup_steps: real decode steps run through the compiled step before the graph is
             captured (at least 1: the first one compiles).
+        pdl: launch the step's kernels, the library's and Inductor's, with programmatic dependent
+            launch. None (the default): where the model's GPU has it (CUDA, compute capability
+            9.0 and up); True there only.
 
     Call it with the next token ids, ``[batch, 1]`` int64, on the model's device; it returns the
     logits ``[batch, 1, vocab]``. On CUDA they live in the graph's memory and are overwritten by
@@ -48,21 +54,33 @@ class GraphedDecodeStep:
     raise: its outputs become NaN.
 
     Raises:
-        ValueError: ``warmup_steps`` not an int >= 1; token ids that are not ``[batch, 1]``, of
+        ValueError: ``warmup_steps`` not an int >= 1; ``pdl`` not None or a bool, or True for a
+            model that is not on a GPU of compute capability 9.0 or newer; token ids that are not ``[batch, 1]``, of
             another shape than the first call's, or on another device.
         TypeError: token ids that are not an int64 tensor.
         RuntimeError: the cache's storage was allocated again since the first call.
     """
 
-    def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2):
+    def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2, pdl: bool | None = None):
         if type(warmup_steps) is not int or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r}: allowed an int >= 1 (the first step compiles)")
+        device = next(model.parameters()).device
+        has_pdl = device.type == "cuda" and common._has_pdl(torch.cuda.current_device() if device.index is None else device.index)
+        if pdl is not None and type(pdl) is not bool:
+            raise ValueError(f"pdl={pdl!r}: allowed None (where the GPU has it), True or False")
+        if pdl and not has_pdl:
+            raise ValueError(f"pdl=True: the model is on {device}; programmatic dependent launch needs a CUDA GPU "
+                             "of compute capability 9.0 or newer (pdl=None uses it where there is one)")  # fmt: skip
         self.model = model
         self.cache = cache
+        self.pdl = has_pdl if pdl is None else pdl
+        """Whether the step's kernels launch with programmatic dependent launch."""
         # ``cache`` from transformers 5.24, ``past_key_values`` before.
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # No CUDA graphs of torch.compile's own: this class captures the whole step once.
-        self._forward = torch.compile(model.forward, fullgraph=True)
+        # No CUDA graphs of torch.compile's own: this class captures the whole step once. Inductor's
+        # kernels launch with PDL or not as the library's do (its switch is read when it compiles).
+        options = {"triton.enable_pdl": self.pdl} if hasattr(torch._inductor.config.triton, "enable_pdl") else {}
+        self._forward = torch.compile(model.forward, fullgraph=True, options=options)
         self._warmup_left = warmup_steps
         self._input_ids: torch.Tensor | None = None  # the first call's shape and device; on CUDA the graph's input
         self._storage: list | None = None  # the cache's storage at the first call (see _storage_of)
@@ -113,9 +131,10 @@ class GraphedDecodeStep:
     def _on_capture_stream(self, run) -> torch.Tensor:
         # Warm-up steps run on the stream the capture will use, so libraries set up their
         # per-stream workspaces there before capturing; the caller's stream waits for them.
+        # The library's kernels read the PDL switch at launch: the capture records it.
         current = torch.cuda.current_stream(self._input_ids.device)
         self._stream.wait_stream(current)
-        with torch.cuda.stream(self._stream):
+        with torch.cuda.stream(self._stream), common.programmatic_dependent_launch(self.pdl):
             logits = run(self._input_ids)
         current.wait_stream(self._stream)
         return logits

@@ -46,7 +46,13 @@ def test_bad_arguments_are_named():
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match=f"warmup_steps={bad!r}: allowed an int >= 1"):
             GraphedDecodeStep(model, cache, warmup_steps=bad)
+    for bad in ("yes", 1):
+        with pytest.raises(ValueError, match=f"pdl={bad!r}: allowed None"):
+            GraphedDecodeStep(model, cache, pdl=bad)
+    with pytest.raises(ValueError, match="pdl=True: the model is on cpu; programmatic dependent launch needs a CUDA GPU"):
+        GraphedDecodeStep(model, cache, pdl=True)
     step = GraphedDecodeStep(model, cache)
+    assert step.pdl is False  # not on a GPU
     with pytest.raises(TypeError, match="int64 tensor"):
         step(torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"must be \[batch, 1\].*got \[2, 3\]"):
@@ -98,29 +104,31 @@ def test_cuda_graph_replays_match_the_compiled_step(kind):
                     reason="programmatic dependent launch needs a GPU of compute capability 9.0 or newer")  # fmt: skip
 @pytest.mark.parametrize("config", [SMALL, PRESETS["pnmix-1"]], ids=["triton-split-kernel", "gluon-split-kernel"])
 def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_without(monkeypatch, config):
-    """A PN-Mix model with the fused one-token products, its graph captured with the library's kernels
-    launched with PDL (``kernels.common.PDL``) and without: 300 steps (flushes included) give the same
-    logits bit for bit. ``SMALL``'s 32-token groups take the Triton split kernel, ``pnmix-1``'s the Gluon
-    one. A kernel reading before the previous one's writes are visible would (likely) change them."""
+    """A PN-Mix model with the fused one-token products, its graph captured with the step's kernels (the
+    library's and Inductor's) launched with PDL (``GraphedDecodeStep``'s default on this GPU) and without:
+    300 steps (flushes included) give the same logits bit for bit. ``SMALL``'s 32-token groups take the
+    Triton split kernel, ``pnmix-1``'s the Gluon one. A kernel reading before the previous one's writes are
+    visible would (likely) change them."""
     model = tiny_model("llama", vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                        num_attention_heads=8, num_key_value_heads=2, head_dim=128).to("cuda", torch.bfloat16)  # fmt: skip
     patch_gemv(patch_model(model, config))
     prompt = torch.randint(0, 2048, (1, 200), generator=torch.Generator().manual_seed(0)).to("cuda")
     has_pdl, pdl_launches = common._has_pdl, []
     monkeypatch.setattr(common, "_has_pdl", lambda index: pdl_launches.append(index) or has_pdl(index))
-    logits = {}
-    for pdl in (False, True):
-        monkeypatch.setattr(common, "PDL", pdl)
-        pdl_launches.clear()
+    logits, library_default = {}, common.PDL
+    for pdl in (False, None):
         torch._dynamo.reset()
         cache = new_cache(model, prompt.shape[1] + 300, static=True)
-        step = GraphedDecodeStep(model, cache, warmup_steps=2)
+        step = GraphedDecodeStep(model, cache, warmup_steps=2, pdl=pdl)
+        assert step.pdl == (pdl is None)
+        pdl_launches.clear()
         with torch.no_grad():
             token = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
             steps = []
             for _ in range(300):
                 steps.append(step(token).clone())
                 token = steps[-1][:, -1:].argmax(-1)
-        assert step.captured and bool(pdl_launches) == pdl  # with PDL, launches asked for it
-        logits[pdl] = torch.cat(steps, 1)
+        assert step.captured and bool(pdl_launches) == step.pdl  # with PDL, the library's launches asked for it
+        assert common.PDL == library_default  # the step's switch holds only around its own launches
+        logits[step.pdl] = torch.cat(steps, 1)
     assert torch.equal(logits[True], logits[False])
