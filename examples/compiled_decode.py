@@ -17,7 +17,7 @@ and input checks (on CUDA; lower host time per token at batch 1). ``--gemv`` als
 linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), which reads
 the weights faster than cuBLAS at batch 1 on an H200. On GPUs of compute capability 9.0 and up the
 graphed step's kernels, the library's and Inductor's, launch with programmatic dependent launch: each
-may start while the one before it finishes (``benchmarks/RESULTS.md``, twenty-fourth session: 0.969-0.971x
+may start while the one before it finishes (``benchmarks/RESULTS.md``, twenty-fourth session: 0.968-0.971x
 the time of the graphed step at 32K, 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B on an H200).
 ``--no-pdl`` turns it off. Through ``reduce-overhead`` it is the user's to turn on: ``PNMIX_PDL=1`` in
 the environment before the import and ``torch._inductor.config.triton.enable_pdl = True`` before the

@@ -29,7 +29,7 @@ and the decode-attention split and merge kernels) with programmatic dependent la
 it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import;
 :class:`~pnmix_patch.GraphedDecodeStep` turns it on for its own warm-up and capture
 (:func:`programmatic_dependent_launch`), with Inductor's kernels launched the same way. Measured on an H200
-(``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels with PDL): 0.969-0.973x
+(``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels with PDL): 0.968-0.973x
 the step's time at 32K and 0.990-0.993x at 1K (medians of turns, Qwen3-8B and Llama-3.1-8B); the
 library's kernels alone (with an earlier placement of the signal) gained nothing."""
 

@@ -18,6 +18,14 @@ is free of host synchronization and keeps its storage in place (:class:`~pnmix_p
 or transformers' ``StaticCache``): everything the step changes (tokens written, residual buffers
 flushed, lengths) is then device work inside the graph. On CPU no graph is captured and a call
 runs the compiled step.
+
+On GPUs of compute capability 9.0 and up the step's kernels launch with programmatic dependent
+launch (PDL) by default: each kernel's programs may start while the one before it finishes, and
+wait on the GPU for its writes. Both the library's kernels (:mod:`pnmix_patch.kernels.common`) and
+the kernels Inductor compiles for the step (``triton.enable_pdl``) launch so. Measured on an H200
+(``benchmarks/RESULTS.md``, twenty-fourth session; batch 1, ``patch_gemv``, medians of turns): 0.968-0.971x
+the step's time at 32K and 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B shapes; 0.989x at batch 32
+(Qwen3-8B, 8K).
 """
 
 from __future__ import annotations
