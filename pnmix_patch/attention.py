@@ -111,10 +111,27 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
 
     A decode step into a static cache hands the query and key to the cache before the q/k norms and
     RoPE: its append kernel does both (``pnmix::decode_rotate_append``, one launch where compiled
-    code takes three), where the architecture allows (the adapter's ``kernel_norms``)."""
+    code takes three), where the architecture allows (the adapter's ``kernel_norms``).
+
+    Under autocast the projections (and ``o_proj``) run in the autocast dtype, and the attention and
+    the cache in the hidden states' own dtype with autocast off: the cache stores one dtype (autocast
+    would leave the values in its dtype and promote the keys through RoPE's float32 cos/sin)."""
     cache = cache if cache is not None else past_key_values
+    query, key, value = self._pnmix_adapter.project(self, hidden_states)
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        query, key, value = (x.to(hidden_states.dtype) for x in (query, key, value))
+        with torch.autocast(device_type, enabled=False):
+            output = _attend(self, hidden_states, query, key, value, position_embeddings, attention_mask, cache)
+    else:
+        output = _attend(self, hidden_states, query, key, value, position_embeddings, attention_mask, cache)
+    return self.o_proj(output), None
+
+
+def _attend(self, hidden_states, query, key, value, position_embeddings, attention_mask, cache) -> torch.Tensor:
+    """The rest of :func:`pnmix_attention_forward` after the projections: q/k norms, RoPE, the cache's
+    attention and append; output ``[B, T, Hq * D]``."""
     adapter = self._pnmix_adapter
-    query, key, value = adapter.project(self, hidden_states)
     cos, sin = position_embeddings
     batch, chunk = hidden_states.shape[:2]
     layer = None
@@ -135,5 +152,4 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
         else:
             valid = layer.chunk_validity(attention_mask, batch, chunk, hidden_states.device)
             output = layer.attend(query, key, value, valid, self.scaling)
-    output = output.transpose(1, 2).reshape(batch, chunk, -1)
-    return self.o_proj(output), None
+    return output.transpose(1, 2).reshape(batch, chunk, -1)

@@ -77,6 +77,33 @@ def test_forward_with_user_cache_and_without_cache():
         assert isinstance(output_cache(model(ids, use_cache=True)), PNMixCache)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_under_autocast_a_float32_model_decodes_in_float32_with_bf16_projections(architecture):
+    """Under CPU autocast (bf16) a float32 model's projections come out in bf16, and RoPE's float32 cos/sin
+    promote q and k back to float32: the patched attention runs the cache in float32. Prefill and 40 decode
+    steps (unquantized preset) give the unpatched model's logits under the same autocast within bf16's
+    rounding (that model's SDPA computes in bf16); with quantization and a flush, the static cache gives
+    the dynamic cache's logits exactly."""
+    stock = tiny_model(architecture)
+    ids = torch.randint(3, 96, (2, 80), generator=torch.Generator().manual_seed(0))
+
+    def logits(model, cache):
+        first = model(input_ids=ids[:, :40], **{CACHE_KWARG: cache}).logits[:, -1:]
+        steps = [model(input_ids=ids[:, t : t + 1], **{CACHE_KWARG: cache}).logits for t in range(40, 80)]
+        return torch.cat([first, *steps], 1)
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = logits(stock, DynamicCache(config=stock.config))
+        patched = patch_model(tiny_model(architecture), "fp16")  # the same seed: the same weights
+        for static in (False, True):
+            got = logits(patched, new_cache(patched, 80, static=True) if static else new_cache(patched))
+            assert got.dtype == torch.bfloat16  # lm_head under autocast
+            torch.testing.assert_close(got.float(), expected.float(), rtol=0, atol=2e-2)
+        patch_model(patched, FLUSHING)
+        dynamic = logits(patched, new_cache(patched))
+        assert torch.equal(logits(patched, new_cache(patched, 80, static=True)), dynamic)
+
+
 def test_a_filled_foreign_cache_is_refused():
     model = tiny_model("llama")
     ids = torch.randint(3, 96, (1, 10))
