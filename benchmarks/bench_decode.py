@@ -9,7 +9,7 @@
    the static cache compiled (``fullgraph=True, mode="reduce-overhead"``: CUDA graphs)
    against the same model eager on CPU (reference path): same tokens.
 2. Timing: a randomly initialized bf16 model of the real shape (Qwen3-8B, Llama-3.1-8B;
-   weights do not change the time), batch 1, context 1K, 8K and 32K. Each variant runs
+   weights do not change the time), batch 1 (``--batch`` with ``--interleaved``), context 1K, 8K and 32K. Each variant runs
    in this process on the same model:
 
    - ``bf16-compiled-stock``: transformers ``StaticCache``, stock SDPA attention (which
@@ -475,14 +475,16 @@ def prefill(model, cache, name, batch=1, tokens=PROMPT):
         model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
-def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, **extra) -> dict:
-    """One row of the report from :func:`time_steps`' ``timed`` (medians) and :func:`pipelined_host_time`."""
+def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, batch=1,
+               **extra) -> dict:  # fmt: skip
+    """One row of the report from :func:`time_steps`' ``timed`` (medians) and :func:`pipelined_host_time`
+    (``ms_per_token``: ms per step, one token of each of ``batch`` sequences)."""
     ms = statistics.median(timed["ms"])
     floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
-    print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/token  floor {floor:6.3f} ms "
-          f"({floor / ms:5.1%})", flush=True)
-    return {"model": model_name, "variant": variant, "context": context, "ms_per_token": ms,
-            "tokens_per_s": 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
+    print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/{'token' if batch == 1 else 'step'}  floor "
+          f"{floor:6.3f} ms ({floor / ms:5.1%})", flush=True)
+    return {"model": model_name, "variant": variant, "context": context, "batch": batch, "ms_per_token": ms,
+            "tokens_per_s": batch * 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
             "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms,
             "synchronized_host_us_per_call": statistics.median(timed["host_us"]), **pipelined, **extra}  # fmt: skip
 
@@ -639,7 +641,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             return torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         return graphed_forward(model, cache, reset=False, pdl=None if pdl else False)
 
-    pdl_capable = device.type == "cuda" and kernels_common._has_pdl(device.index or 0)  # compute capability 9.0+
+    pdl_capable = device.type == "cuda" and kernels_common.has_pdl(device.index or 0)  # compute capability 9.0+
     for path in paths:
         torch._dynamo.reset()
         variants = ("bf16-compiled-fair", "pnmix-compiled") if path == "reduce-overhead" else ("bf16-graphed-fair", "pnmix-graphed")
@@ -676,7 +678,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 pipelined = [pipelined_host_time(*run, name, batch=batch) for run in runs]
             group = [
                 timing_row(model_name, variant, context, variant_timed, weight_bytes, variant_bytes, bandwidth,
-                           variant_pipelined, interleaved=True, batch=batch, turn=turn, untimed_per_turn=untimed,
+                           variant_pipelined, batch, interleaved=True, turn=turn, untimed_per_turn=untimed,
                            host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]],
                            **launch)
                 for variant, variant_timed, variant_bytes, variant_pipelined, launch in zip(labels, timed, cache_bytes, pipelined, launches)
@@ -798,6 +800,7 @@ def main() -> None:
             "command": "python " + " ".join(sys.argv),
             "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
             "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
+            "graphed_pdl_default": kernels_common.has_pdl(device.index or 0),  # GraphedDecodeStep's (graphed rows)
             "checks": checks, "timings": rows,
         }  # fmt: skip
         path.write_text(json.dumps(report, indent=2))

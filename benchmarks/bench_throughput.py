@@ -72,7 +72,10 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
     torch._dynamo.reset()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    result = {"method": method, "batch": batch, "positions": positions, "graphed": graphed}
+    import pnmix_patch.kernels.common as kernels_common
+
+    result = {"method": method, "batch": batch, "positions": positions, "graphed": graphed,
+              "graphed_pdl": graphed and model.device.type == "cuda" and kernels_common.has_pdl(model.device.index or 0)}  # GraphedDecodeStep's default
     try:
         if method == "bf16":
             model.set_attn_implementation("sdpa_gqa")

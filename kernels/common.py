@@ -16,6 +16,7 @@ exactly (see that module's docstring for the formulas):
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import os
 
@@ -25,26 +26,36 @@ import triton.language as tl
 
 PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
-and the decode-attention split and merge kernels) with programmatic dependent launch on GPUs that have
-it (compute capability 9.0 and up, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import;
-:class:`~pnmix_patch.GraphedDecodeStep` turns it on for its own warm-up and capture
-(:func:`programmatic_dependent_launch`), with Inductor's kernels launched the same way. Measured on an H200
-(``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels with PDL): 0.968-0.973x
-the step's time at 32K and 0.990-0.993x at 1K (medians of turns, Qwen3-8B and Llama-3.1-8B); the
-library's kernels alone (with an earlier placement of the signal) gained nothing."""
+and the decode-attention split and merge kernels) with programmatic dependent launch where the GPU and
+Triton have it (:func:`has_pdl`, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import;
+:func:`programmatic_dependent_launch` overrides it within a block (:class:`~pnmix_patch.GraphedDecodeStep`
+turns it on around its own warm-up and capture, with Inductor's kernels launched the same way). Measured
+on an H200 (``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels
+with PDL; ``benchmarks/RESULTS.md``, twenty-fourth session): 0.968-0.971x the step's time at 32K and
+0.990-0.993x at 1K (medians of turns, Qwen3-8B and Llama-3.1-8B); the library's kernels alone (twenty-second
+session, with an earlier placement of the signal) gained nothing."""
+
+_pdl_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pnmix_pdl", default=None)
 
 
 @contextlib.contextmanager
 def programmatic_dependent_launch(enabled: bool):
     """Within the block the library's kernels launch with programmatic dependent launch if ``enabled``
-    (where the GPU has it), and without it if not, whatever :data:`PDL` says; a CUDA graph captured in
-    the block records its launches so."""
-    global PDL
-    outside, PDL = PDL, enabled
+    (where :func:`has_pdl`), and without it if not, whatever :data:`PDL` says; a CUDA graph captured in
+    the block records its launches so. The setting is the calling thread's (a context variable): other
+    threads keep theirs, and it is restored on leaving the block, also by an exception."""
+    token = _pdl_override.set(enabled)
     try:
         yield
     finally:
-        PDL = outside
+        _pdl_override.reset(token)
+
+
+def pdl_requested() -> bool:
+    """The switch :func:`launch_pdl` reads: :func:`programmatic_dependent_launch`'s where the calling
+    thread is in such a block, else :data:`PDL`."""
+    override = _pdl_override.get()
+    return PDL if override is None else override
 
 
 @triton.jit
@@ -99,8 +110,11 @@ def nonempty(tensor: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _has_pdl(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
+def has_pdl(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` can launch with programmatic dependent launch: a
+    GPU of compute capability 9.0 or newer, and a Triton whose kernels can wait and signal for it
+    (``tl.extra.cuda.gdc_wait``, which older Tritons lack)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
 
 
 def launch_pdl(tensor: torch.Tensor) -> bool:
@@ -111,8 +125,8 @@ def launch_pdl(tensor: torch.Tensor) -> bool:
     programs may start as soon as every program of the previous kernel has passed
     :func:`let_next_kernel_launch` or exited (after a kernel that does not signal: once it has
     finished); they then wait in :func:`wait_for_previous_kernel` until that kernel's writes are
-    visible. True for CUDA tensors on a GPU of compute capability 9.0 and up while :data:`PDL` is set."""
-    return PDL and tensor.is_cuda and _has_pdl(tensor.device.index)
+    visible. True for CUDA tensors where :func:`has_pdl` while :func:`pdl_requested`."""
+    return pdl_requested() and tensor.is_cuda and has_pdl(tensor.device.index)
 
 
 @triton.jit

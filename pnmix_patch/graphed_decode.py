@@ -19,9 +19,9 @@ or transformers' ``StaticCache``): everything the step changes (tokens written, 
 flushed, lengths) is then device work inside the graph. On CPU no graph is captured and a call
 runs the compiled step.
 
-On GPUs of compute capability 9.0 and up the step's kernels launch with programmatic dependent
-launch (PDL) by default: each kernel's programs may start while the one before it finishes, and
-wait on the GPU for its writes. Both the library's kernels (:mod:`pnmix_patch.kernels.common`) and
+On GPUs of compute capability 9.0 and up (with a Triton that has it) the step's kernels launch
+with programmatic dependent launch (PDL) by default: each kernel's programs may start while the
+one before it finishes, and wait on the GPU for its writes. Both the library's kernels (:mod:`pnmix_patch.kernels.common`) and
 the kernels Inductor compiles for the step (``triton.enable_pdl``) launch so. Measured on an H200
 (``benchmarks/RESULTS.md``, twenty-fourth session; batch 1, ``patch_gemv``, medians of turns): 0.968-0.971x
 the step's time at 32K and 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B shapes; 0.989x at batch 32
@@ -47,9 +47,11 @@ class GraphedDecodeStep:
             addresses: :class:`~pnmix_patch.PNMixStaticCache` or transformers' ``StaticCache``.
         warmup_steps: real decode steps run through the compiled step before the graph is
             captured (at least 1: the first one compiles).
-        pdl: launch the step's kernels, the library's and Inductor's, with programmatic dependent
-            launch. None (the default): where the model's GPU has it (CUDA, compute capability
-            9.0 and up); True there only.
+        pdl: launch the step's kernels, the library's and Inductor's (where its torch has the switch
+            ``triton.enable_pdl``), with programmatic dependent launch. None (the default): where the
+            token ids' GPU has it (compute capability 9.0 and up, and a Triton that can, see
+            :func:`~pnmix_patch.kernels.common.has_pdl`); True there only. Decided at the first call,
+            then kept in :attr:`pdl`.
 
     Call it with the next token ids, ``[batch, 1]`` int64, on the model's device; it returns the
     logits ``[batch, 1, vocab]``. On CUDA they live in the graph's memory and are overwritten by
@@ -62,9 +64,9 @@ class GraphedDecodeStep:
     raise: its outputs become NaN.
 
     Raises:
-        ValueError: ``warmup_steps`` not an int >= 1; ``pdl`` not None or a bool, or True for a
-            model that is not on a GPU of compute capability 9.0 or newer; token ids that are not ``[batch, 1]``, of
-            another shape than the first call's, or on another device.
+        ValueError: ``warmup_steps`` not an int >= 1; ``pdl`` not None or a bool; token ids that are
+            not ``[batch, 1]``, of another shape than the first call's, or on another device; with
+            ``pdl=True``, first token ids on a device without programmatic dependent launch.
         TypeError: token ids that are not an int64 tensor.
         RuntimeError: the cache's storage was allocated again since the first call.
     """
@@ -72,23 +74,16 @@ class GraphedDecodeStep:
     def __init__(self, model: torch.nn.Module, cache, warmup_steps: int = 2, pdl: bool | None = None):
         if type(warmup_steps) is not int or warmup_steps < 1:
             raise ValueError(f"warmup_steps={warmup_steps!r}: allowed an int >= 1 (the first step compiles)")
-        device = next(model.parameters()).device
-        has_pdl = device.type == "cuda" and common._has_pdl(torch.cuda.current_device() if device.index is None else device.index)
         if pdl is not None and type(pdl) is not bool:
             raise ValueError(f"pdl={pdl!r}: allowed None (where the GPU has it), True or False")
-        if pdl and not has_pdl:
-            raise ValueError(f"pdl=True: the model is on {device}; programmatic dependent launch needs a CUDA GPU "
-                             "of compute capability 9.0 or newer (pdl=None uses it where there is one)")  # fmt: skip
         self.model = model
         self.cache = cache
-        self.pdl = has_pdl if pdl is None else pdl
-        """Whether the step's kernels launch with programmatic dependent launch."""
+        self._pdl_asked = pdl
+        self.pdl: bool | None = None
+        """Whether the step's kernels launch with programmatic dependent launch (None until the first call)."""
         # ``cache`` from transformers 5.24, ``past_key_values`` before.
         self._cache_argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        # No CUDA graphs of torch.compile's own: this class captures the whole step once. Inductor's
-        # kernels launch with PDL or not as the library's do (its switch is read when it compiles).
-        options = {"triton.enable_pdl": self.pdl} if hasattr(torch._inductor.config.triton, "enable_pdl") else {}
-        self._forward = torch.compile(model.forward, fullgraph=True, options=options)
+        self._forward = None  # compiled at the first call, once the PDL setting is known
         self._warmup_left = warmup_steps
         self._input_ids: torch.Tensor | None = None  # the first call's shape and device; on CUDA the graph's input
         self._storage: list | None = None  # the cache's storage at the first call (see _storage_of)
@@ -107,6 +102,7 @@ class GraphedDecodeStep:
         if input_ids.dim() != 2 or input_ids.shape[1] != 1:
             raise ValueError(f"input_ids must be [batch, 1] (one decode token per sequence); got {list(input_ids.shape)}")
         if self._input_ids is None:
+            self._compile(input_ids.device)
             self._input_ids = input_ids.clone()  # contiguous: warm-ups and capture see the same input
             self._storage = _storage_of(self.cache)
         elif any(now is not then for now, then in zip(_storage_of(self.cache), self._storage)):
@@ -131,6 +127,17 @@ class GraphedDecodeStep:
             self._warmup_left -= 1
             return self._on_capture_stream(self._step)
         return self._on_capture_stream(self._capture)
+
+    def _compile(self, device: torch.device) -> None:
+        has_pdl = device.type == "cuda" and common.has_pdl(device.index)
+        if self._pdl_asked and not has_pdl:
+            raise ValueError(f"pdl=True: the token ids are on {device}; programmatic dependent launch needs a CUDA GPU "
+                             "of compute capability 9.0 or newer and a Triton that has it (pdl=None uses it where it can)")  # fmt: skip
+        self.pdl = has_pdl if self._pdl_asked is None else self._pdl_asked
+        # No CUDA graphs of torch.compile's own: this class captures the whole step once. Inductor's
+        # kernels launch with PDL or not as the library's do (its switch is read when it compiles).
+        options = {"triton.enable_pdl": self.pdl} if hasattr(torch._inductor.config.triton, "enable_pdl") else {}
+        self._forward = torch.compile(self.model.forward, fullgraph=True, options=options)
 
     def _step(self, input_ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -49,17 +49,18 @@ def test_bad_arguments_are_named():
     for bad in ("yes", 1):
         with pytest.raises(ValueError, match=f"pdl={bad!r}: allowed None"):
             GraphedDecodeStep(model, cache, pdl=bad)
-    with pytest.raises(ValueError, match="pdl=True: the model is on cpu; programmatic dependent launch needs a CUDA GPU"):
-        GraphedDecodeStep(model, cache, pdl=True)
+    with pytest.raises(ValueError, match="pdl=True: the token ids are on cpu; programmatic dependent launch needs a CUDA GPU"):
+        GraphedDecodeStep(model, cache, pdl=True)(torch.zeros(2, 1, dtype=torch.long))
     step = GraphedDecodeStep(model, cache)
-    assert step.pdl is False  # not on a GPU
     with pytest.raises(TypeError, match="int64 tensor"):
         step(torch.zeros(2, 1, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"must be \[batch, 1\].*got \[2, 3\]"):
         step(torch.zeros(2, 3, dtype=torch.long))
     with torch.no_grad():
         model(input_ids=torch.zeros(2, 8, dtype=torch.long), **{CACHE_KWARG: cache})
+    assert step.pdl is None
     step(torch.zeros(2, 1, dtype=torch.long))
+    assert step.pdl is False  # decided at the first call: not on a GPU
     with pytest.raises(ValueError, match=r"of shape \[1, 1\] on cpu: this step was built for \[2, 1\] on cpu"):
         step(torch.zeros(1, 1, dtype=torch.long))
     for batch in (1, 2):  # another batch size in between: the cache allocates its storage again
@@ -68,6 +69,27 @@ def test_bad_arguments_are_named():
             model(input_ids=torch.zeros(batch, 8, dtype=torch.long), **{CACHE_KWARG: cache})
     with pytest.raises(RuntimeError, match="allocated its storage again since this step was built"):
         step(torch.zeros(2, 1, dtype=torch.long))
+
+
+def compile_options(monkeypatch) -> list:
+    """The ``options`` of every ``torch.compile`` call from now on (the real compile still runs)."""
+    compile_, options = torch.compile, []
+    monkeypatch.setattr(torch, "compile", lambda *args, **kwargs: options.append(kwargs.get("options")) or compile_(*args, **kwargs))
+    return options
+
+
+def test_inductor_compiles_the_step_with_its_pdl_switch_as_the_step_decided(monkeypatch):
+    """The step compiles at its first call, with Inductor's ``triton.enable_pdl`` set to the step's own
+    decision (off on CPU), whatever the global setting says."""
+    model = patch_model(tiny_model("llama"), SMALL)
+    cache = new_cache(model, 64, static=True)
+    options = compile_options(monkeypatch)
+    step = GraphedDecodeStep(model, cache)
+    assert options == []
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 8, dtype=torch.long), **{CACHE_KWARG: cache})
+    step(torch.zeros(1, 1, dtype=torch.long))
+    assert options == [{"triton.enable_pdl": False}] and step.pdl is False
 
 
 @requires_cuda
@@ -113,19 +135,21 @@ def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_wit
                        num_attention_heads=8, num_key_value_heads=2, head_dim=128).to("cuda", torch.bfloat16)  # fmt: skip
     patch_gemv(patch_model(model, config))
     prompt = torch.randint(0, 2048, (1, 200), generator=torch.Generator().manual_seed(0)).to("cuda")
-    has_pdl, pdl_launches = common._has_pdl, []
-    monkeypatch.setattr(common, "_has_pdl", lambda index: pdl_launches.append(index) or has_pdl(index))
+    has_pdl, pdl_launches = common.has_pdl, []
+    monkeypatch.setattr(common, "has_pdl", lambda index: pdl_launches.append(index) or has_pdl(index))
+    options = compile_options(monkeypatch)
     logits, library_default = {}, common.PDL
     for pdl in (False, None):
         torch._dynamo.reset()
         cache = new_cache(model, prompt.shape[1] + 300, static=True)
         step = GraphedDecodeStep(model, cache, warmup_steps=2, pdl=pdl)
-        assert step.pdl == (pdl is None)
-        pdl_launches.clear()
         with torch.no_grad():
             token = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
-            steps = []
-            for _ in range(300):
+            steps = [step(token).clone()]  # compiles, having asked has_pdl
+            assert step.pdl == (pdl is None) and options[-1] == {"triton.enable_pdl": step.pdl}  # Inductor's switch too
+            pdl_launches.clear()
+            token = steps[-1][:, -1:].argmax(-1)
+            for _ in range(299):
                 steps.append(step(token).clone())
                 token = steps[-1][:, -1:].argmax(-1)
         assert step.captured and bool(pdl_launches) == step.pdl  # with PDL, the library's launches asked for it

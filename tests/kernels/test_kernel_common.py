@@ -18,12 +18,53 @@ from pnmix_patch.kernels import common
 def test_launch_pdl_only_on_cuda_tensors_of_a_hopper_or_newer_gpu(monkeypatch):
     assert not common.launch_pdl(torch.ones(2))
     cuda_tensor = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0))
-    monkeypatch.setattr(common, "_has_pdl", lambda index: index == 0)
+    monkeypatch.setattr(common, "has_pdl", lambda index: index == 0)
     monkeypatch.setattr(common, "PDL", True)
     assert common.launch_pdl(cuda_tensor)
     assert not common.launch_pdl(types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1)))
     monkeypatch.setattr(common, "PDL", False)
     assert not common.launch_pdl(cuda_tensor)
+
+
+def test_the_pdl_block_overrides_the_default_per_thread_and_is_undone_on_exit(monkeypatch):
+    """``programmatic_dependent_launch`` sets what ``launch_pdl`` reads within its block only: nested blocks
+    restore the outer setting, an exception restores it, and another thread keeps its own even when the
+    two threads' blocks end out of order."""
+    import threading
+
+    monkeypatch.setattr(common, "PDL", False)
+    with common.programmatic_dependent_launch(True):
+        assert common.pdl_requested()
+        with common.programmatic_dependent_launch(False):
+            assert not common.pdl_requested()
+        assert common.pdl_requested()
+    assert not common.pdl_requested()
+    with pytest.raises(KeyError), common.programmatic_dependent_launch(True):
+        raise KeyError
+    assert not common.pdl_requested()
+    monkeypatch.setattr(common, "PDL", True)
+    with common.programmatic_dependent_launch(False):
+        assert not common.pdl_requested()
+    assert common.pdl_requested()
+
+    entered, leave, seen = threading.Event(), threading.Event(), []
+
+    def other_thread():  # enters a block first, leaves it after this thread's block has ended
+        with common.programmatic_dependent_launch(False):
+            entered.set()
+            leave.wait()
+            seen.append(common.pdl_requested())
+        seen.append(common.pdl_requested())
+
+    thread = threading.Thread(target=other_thread)
+    with common.programmatic_dependent_launch(False):
+        thread.start()
+        entered.wait()
+    assert common.pdl_requested()  # this thread's block ended while the other's is still open
+    with common.programmatic_dependent_launch(False):
+        leave.set()
+        thread.join()
+    assert seen == [False, True] and common.pdl_requested()
 
 
 I32, I64, F32 = "*i32", "*i64", "*fp32"
