@@ -55,7 +55,9 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
             (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"fp16"``).
 
     Returns:
-        The same model. Patching again only changes the config.
+        The same model. Patching again only changes the config. The patched forwards are bound to
+        the modules at run time and do not pickle: :func:`unpatch_model` before ``torch.save(model)``
+        (``state_dict`` and ``save_pretrained`` are unaffected).
 
     Raises:
         ValueError: unsupported architecture or configuration (sliding windows).

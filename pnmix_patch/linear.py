@@ -97,6 +97,13 @@ class GemvGatedMLP:
         hidden = gemv_swiglu(x.reshape(-1), self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias, self.up_proj.bias)
         return self.down_proj(hidden.view(*x.shape[:-1], -1))
 
+    def __reduce_ex__(self, protocol):
+        # The Gemv<MLP> classes are made at run time, so pickle cannot find them by name: an instance
+        # pickles as "an instance of Gemv<its MLP class>", made again when unpickled (state unchanged).
+        rebuild, args, *rest = super().__reduce_ex__(protocol)
+        mlp_class = type(self).__bases__[1]
+        return (_new_gated_mlp, (mlp_class,), *rest) if args and args[0] is type(self) else (rebuild, args, *rest)
+
 
 _GATED_MLP_SUBCLASSES: dict[type, type] = {}
 
@@ -106,6 +113,11 @@ def _gated_mlp_subclass(mlp_class: type) -> type:
     if mlp_class not in _GATED_MLP_SUBCLASSES:
         _GATED_MLP_SUBCLASSES[mlp_class] = type(f"Gemv{mlp_class.__name__}", (GemvGatedMLP, mlp_class), {"__module__": __name__})
     return _GATED_MLP_SUBCLASSES[mlp_class]
+
+
+def _new_gated_mlp(mlp_class: type) -> torch.nn.Module:
+    """An empty instance of ``Gemv<mlp_class>`` (unpickling sets its state)."""
+    return object.__new__(_gated_mlp_subclass(mlp_class))
 
 
 def _gated_mlp_class(model: torch.nn.Module) -> type | None:
@@ -137,9 +149,10 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
 
     The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
     ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
-    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A patched
-    model pickles with references to these classes: unpatch it before ``torch.save(model)`` (its
-    ``state_dict`` and ``save_pretrained`` are unchanged).
+    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A model patched
+    by this function pickles (``torch.save(model)``) and loads patched where ``pnmix_patch`` imports;
+    one also patched by :func:`~pnmix_patch.patch_model` pickles once :func:`~pnmix_patch.unpatch_model`
+    has undone that. Its ``state_dict`` and ``save_pretrained`` are unchanged.
     """
     modules = list(model.modules())
     if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):

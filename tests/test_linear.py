@@ -1,5 +1,7 @@
 """``patch_gemv``: one-token products through ``pnmix::gemv`` (q/k/v stacked, gate/up fused), alone and with PN-Mix, eager and compiled."""
 
+import io
+
 import pytest
 import torch
 from conftest import CACHE_KWARG, output_cache, tiny_model
@@ -202,6 +204,24 @@ def test_patching_twice_changes_nothing_and_a_model_without_linears_is_refused()
     assert [type(m) for m in patch_gemv(model).modules()] == classes
     with pytest.raises(ValueError, match="Embedding has no layer of the exact class torch.nn.Linear"):
         patch_gemv(torch.nn.Embedding(4, 4))
+
+
+def test_a_patched_model_pickles_and_loads_patched(monkeypatch):
+    """``torch.save`` of a model patched by ``patch_gemv`` (its MLP class made at run time): it loads with
+    the same classes and logits, also where the ``Gemv<MLP>`` class was never made (a fresh process,
+    simulated by an empty registry)."""
+    model = patch_gemv(tiny_model("llama"))
+    ids = torch.randint(3, 96, (1, 12))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    monkeypatch.setattr(pnmix_patch.linear, "_GATED_MLP_SUBCLASSES", {})
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    mlp = loaded.model.layers[0].mlp
+    assert type(mlp).__name__ == "GemvLlamaMLP" and isinstance(mlp, GemvGatedMLP)
+    assert type(loaded.model.layers[0].self_attn.q_proj) is GemvLinear
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
 
 
 def test_subclasses_of_linear_keep_their_class():
