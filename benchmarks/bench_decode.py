@@ -52,7 +52,7 @@ compute capability 9.0 and up.
 ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), for the bandwidth floor: the floor is mostly weights.
 The MLP's gate, up and SiLU run in one launch (``pnmix::gemv_swiglu``) and q, k and v in another
 (``pnmix::gemv_stacked``): PN-Mix's attention reads them so, and the bf16 variants get the same through
-:func:`fused_projection_forward` (transformers' attention forward with the three products in one
+:class:`FusedProjections` (transformers' attention forward with the three products in one
 launch). The checks then also compare each model's logits with and without these products on the GPU.
 
 ``--profile`` adds, for each compiled variant and context, where a step's GPU time goes:
@@ -96,6 +96,7 @@ import pnmix_patch.kernels.common as kernels_common
 import pnmix_patch.linear
 from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
+from pnmix_patch.mixins import RuntimeMixin, mixed_class, set_classes
 from pnmix_patch.patches import get_patch
 from pnmix_patch.patches.base import ArchitecturePatch
 from pnmix_patch.planner import model_config
@@ -127,33 +128,37 @@ AttentionInterface.register("sdpa_gqa", gqa_sdpa)
 AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
 
 
-def fused_projection_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                             cache=None, **kwargs):  # fmt: skip
-    """The attention forward of transformers' Llama and Qwen3 (same steps: projections, q/k norms for Qwen3,
-    RoPE, cache update, the configured attention function, o_proj) with q, k and v projected as PN-Mix's
-    attention projects them (the architecture adapter's ``project``: one ``pnmix::gemv_stacked`` launch
-    at one token after ``patch_gemv``). Set on each attention module by :func:`fuse_projections`."""
-    cache = cache if cache is not None else past_key_values
-    query, key, value = self._bench_adapter.project(self, hidden_states)
-    query, key = self._bench_rotary(*self._bench_adapter.norms(self, query, key), *position_embeddings)
-    if cache is not None:
-        key, value = cache.update(key, value, self.layer_idx)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._bench_eager_attention)
-    output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                          sliding_window=getattr(self, "sliding_window", None), **kwargs)  # fmt: skip
-    return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
+class FusedProjections(RuntimeMixin):
+    """Mixin of the attention modules of the bf16 rows under ``--gemv``: transformers' Llama and Qwen3 attention
+    forward (same steps: projections, q/k norms for Qwen3, RoPE, cache update, the configured attention
+    function, o_proj) with q, k and v projected as PN-Mix's attention projects them (the architecture
+    adapter's ``project``: one ``pnmix::gemv_stacked`` launch at one token after ``patch_gemv``). A class,
+    as ``patch_model`` gives PN-Mix's attention: the same guards per layer (:func:`fuse_projections`)."""
+
+    prefix = "Fused"
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None,
+                **kwargs):  # fmt: skip
+        cache = cache if cache is not None else past_key_values
+        query, key, value = self._bench_adapter.project(self, hidden_states)
+        query, key = self._bench_rotary(*self._bench_adapter.norms(self, query, key), *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._bench_eager_attention)
+        output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
+                              sliding_window=getattr(self, "sliding_window", None), **kwargs)  # fmt: skip
+        return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 
 def fuse_projections(model) -> None:
-    """Give ``model``'s attention modules :func:`fused_projection_forward` (instance attributes, as
-    ``patch_model`` sets PN-Mix's forward: the same guards per layer; ``patch_model`` replaces it and
-    ``unpatch_model`` removes it, the class's own forward back)."""
+    """Make ``model``'s attention modules :class:`FusedProjections` (a class swap; ``patch_model`` puts
+    PN-Mix's class in front of it, ``unpatch_model`` gives it back). Doing it again changes nothing."""
     adapter = get_patch(model.config.model_type)
-    for module in model.modules():
-        if isinstance(module, adapter.attention_type()):
-            module._bench_adapter, module._bench_rotary = adapter, adapter.rotary()
-            module._bench_eager_attention = adapter.module.eager_attention_forward  # resolved here: Dynamo cannot trace the import
-            module.forward = types.MethodType(fused_projection_forward, module)
+    attentions = [module for module in model.modules() if type(module) is adapter.attention_type()]
+    for module in attentions:
+        module._bench_adapter, module._bench_rotary = adapter, adapter.rotary()
+        module._bench_eager_attention = adapter.module.eager_attention_forward  # resolved here: Dynamo cannot trace the import
+    set_classes((module, mixed_class(FusedProjections, type(module))) for module in attentions)
 
 
 def cache_arg(model) -> str:
@@ -560,9 +565,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
             prefill(model, cache, name)
             yield "pnmix-eager", context, model.forward, cache, fill_pnmix(cache, context)
             del cache
-        unpatch_model(model)  # the model's own attention forward back: fuse its projections again
-        if gemv:
-            fuse_projections(model)
+        unpatch_model(model)  # the attention's class before patch_model back (fused projections under --gemv)
 
     # Timing first, for every row, with no profiler yet in the process: once torch.profiler has
     # traced CUDA activity, replaying a CUDA graph costs more host time (measured by

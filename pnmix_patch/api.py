@@ -1,21 +1,24 @@
 """``patch_model`` / ``unpatch_model``: the one line added to an existing script.
 
-Patching a built model instance:
+Patching a built model instance changes the class of some of its modules (:mod:`pnmix_patch.mixins`:
+the model's classes are untouched, and a patched model deep-copies and pickles patched):
 
-1. replaces the ``forward`` of every attention module of the architecture with
-   :func:`~pnmix_patch.attention.pnmix_attention_forward` (instance attribute, so
-   ``unpatch_model`` restores the class's own forward exactly);
-2. wraps the decoder's ``forward`` so that a missing cache (``use_cache=True``) or
-   the empty ``DynamicCache`` that ``generate`` creates becomes a
+1. every attention module of the architecture becomes a ``PNMix<its class>``
+   (:class:`~pnmix_patch.attention.PNMixAttention`), whose forward is
+   :func:`~pnmix_patch.attention.pnmix_attention_forward`;
+2. the decoder gets a subclass of its class, of the same name (:class:`PNMixDecoder`), whose forward turns a
+   missing cache (``use_cache=True``) or the empty ``DynamicCache`` that ``generate`` creates into a
    :class:`~pnmix_patch.cache.PNMixCache`, and an empty transformers ``StaticCache``
-   (``generate(..., cache_implementation="static")``) a
+   (``generate(..., cache_implementation="static")``) into a
    :class:`~pnmix_patch.static_cache.PNMixStaticCache` of the same ``max_cache_len``
-   (kept on the model and reset in place on the next call, so compiled decode steps
+   (kept on the decoder and reset in place on the next call, so compiled decode steps
    are reused; a new one when the layers' devices changed); ``generate`` then carries it from the model's outputs, so
    ``generate``, pipelines and hand-written loops need no change;
 3. sets ``config._attn_implementation = "pnmix"``, registered with transformers'
    attention and mask interfaces (the mask is the boolean SDPA mask: without a
    registered mask function, left-padded batches would silently get no mask).
+
+``unpatch_model`` gives every module its class back.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import dataclasses
 import functools
 import inspect
 import itertools
-import types
 
 import torch
 from transformers import AttentionInterface
@@ -32,17 +34,73 @@ from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import pnmix_attention_forward
+from .attention import PNMixAttention
 from .cache import PNMixCache
 from .config import PNMixConfig, resolve_config
+from .mixins import RuntimeMixin, mixed_class, set_classes, unmixed_class
 from .patches import get_patch
+from .patches.base import ArchitecturePatch
 from .static_cache import PNMixStaticCache
 
 ATTENTION_NAME = "pnmix"
-_STATE_ATTRIBUTE = "_pnmix_state"
 
 AttentionInterface.register(ATTENTION_NAME, sdpa_attention_forward)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+@dataclasses.dataclass
+class PatchState:
+    """What :func:`patch_model` keeps on the patched decoder (``_pnmix_state``)."""
+
+    config: PNMixConfig
+    adapter: ArchitecturePatch
+    attn_implementation: str  # the model's own, restored by unpatch_model
+    static_cache: PNMixStaticCache | None = None  # reused by generate(cache_implementation="static")
+
+    def __getstate__(self):
+        return {**vars(self), "static_cache": None}  # a copy or a pickle of the model leaves the cache behind
+
+
+class PNMixDecoder(RuntimeMixin):
+    """Mixin of a patched model's decoder (``LlamaModel`` of a ``LlamaForCausalLM``): its forward runs on a
+    PN-Mix cache (point 2 of the module docstring), then the decoder's own. Each class made with it
+    shows the decoder's own signature and records where that takes the cache: ``cache``
+    (transformers >= 5.24) or ``past_key_values``."""
+
+    prefix = ""  # the decoder's own name: save_pretrained records it in config.architectures (of a bare decoder)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        own = super(PNMixDecoder, cls).forward
+        parameters = list(inspect.signature(own).parameters)[1:]  # after self
+        cache_name = "cache" if "cache" in parameters else "past_key_values"
+        cls._pnmix_cache_argument = cache_name, parameters.index(cache_name)
+
+        @functools.wraps(own)
+        def forward(self, *args, **kwargs):
+            return own(self, *self._on_pnmix_cache(args, kwargs), **kwargs)
+
+        cls.forward = forward
+
+    def _on_pnmix_cache(self, args: tuple, kwargs: dict) -> list:
+        """The positional arguments, and ``kwargs`` in place, with the cache made a PN-Mix one. Both names
+        are accepted on every version (``cache``, and ``past_key_values``, still accepted by >= 5.24);
+        the version's own is passed on."""
+        cache_name, position = self._pnmix_cache_argument
+        args = list(args)
+        cache = args[position] if len(args) > position else None
+        for name in ("cache", "past_key_values"):
+            given = kwargs.pop(name, None)
+            cache = given if cache is None else cache
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:
+            use_cache = self.config.use_cache
+        cache = _pnmix_cache_for(cache, use_cache, self, self._pnmix_state)
+        if len(args) > position:
+            args[position] = cache
+        else:
+            kwargs[cache_name] = cache
+        return args
 
 
 def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -> torch.nn.Module:
@@ -55,66 +113,69 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
             (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"fp16"``).
 
     Returns:
-        The same model. Patching again only changes the config. The patched forwards are bound to
-        the modules at run time and do not pickle: :func:`unpatch_model` before ``torch.save(model)``
-        (``state_dict`` and ``save_pretrained`` are unaffected).
+        The same model. Patching again only changes the config. The model deep-copies
+        (``copy.deepcopy``) and pickles (``torch.save(model)``) patched; it loads where
+        ``pnmix_patch`` imports. ``state_dict`` and ``save_pretrained`` are unaffected.
 
     Raises:
-        ValueError: unsupported architecture or configuration (sliding windows).
+        ValueError: unsupported architecture or configuration (sliding windows); a module to patch
+            with a ``forward`` set on the instance (other than accelerate's hooks, which keep running).
     """
     pnmix_config = resolve_config(config)
     model_config = model.config.get_text_config(decoder=True)
     adapter = get_patch(model_config.model_type)
     adapter.check_config(model_config)
     _check_shapes_and_dtype(model, model_config, pnmix_config)
-    state = getattr(model, _STATE_ATTRIBUTE, None)
+    state = patch_state(model)
     if state is not None:
-        state["config"] = pnmix_config
+        state.config = pnmix_config
         return model
 
     attention_type = adapter.attention_type()
     attentions = [m for m in model.modules() if isinstance(m, attention_type)]
     if not attentions:
         raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
+    decoder = _decoder_of(model)
+    set_classes([(decoder, mixed_class(PNMixDecoder, type(decoder)))]
+                + [(attention, mixed_class(PNMixAttention, type(attention))) for attention in attentions])  # fmt: skip
     for attention in attentions:
         # A copy per module: one adapter shared by all of them would cost a compiled call one
         # Python "is" test per layer in Dynamo's guards.
         attention._pnmix_adapter = dataclasses.replace(adapter)
         attention._pnmix_rotary = adapter.rotary()
-        attention.forward = types.MethodType(pnmix_attention_forward, attention)
-
-    decoder = _decoder_of(model)
-    state = {
-        "config": pnmix_config,
-        "adapter": adapter,
-        "attentions": attentions,
-        "decoder": decoder,
-        "attn_implementation": model_config._attn_implementation,
-    }
-    decoder.forward = _cache_creating_forward(decoder, decoder.forward, state)
+    decoder._pnmix_state = PatchState(pnmix_config, adapter, model_config._attn_implementation)
     model_config._attn_implementation = ATTENTION_NAME
-    setattr(model, _STATE_ATTRIBUTE, state)
     return model
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_model`: the original forwards and attention implementation are back."""
-    state = getattr(model, _STATE_ATTRIBUTE, None)
+    """Undo :func:`patch_model`: every module has its own class again, the model its attention implementation."""
+    state = patch_state(model)
     if state is None:
         return model
-    for attention in state["attentions"]:
-        del attention.forward
-        del attention._pnmix_adapter
-        del attention._pnmix_rotary
-    del state["decoder"].forward
-    model.config.get_text_config(decoder=True)._attn_implementation = state["attn_implementation"]
-    delattr(model, _STATE_ATTRIBUTE)
+    decoder = _decoder_of(model)
+    attentions = [m for m in model.modules() if unmixed_class(type(m), PNMixAttention) is not None]
+    set_classes([(decoder, unmixed_class(type(decoder), PNMixDecoder))]
+                + [(attention, unmixed_class(type(attention), PNMixAttention)) for attention in attentions])  # fmt: skip
+    for attention in attentions:
+        del attention._pnmix_adapter, attention._pnmix_rotary
+    del decoder._pnmix_state
+    model.config.get_text_config(decoder=True)._attn_implementation = state.attn_implementation
     return model
+
+
+def patch_state(model: torch.nn.Module) -> PatchState | None:
+    """The state :func:`patch_model` keeps for ``model`` (its config: ``.config``), None if not patched."""
+    try:
+        decoder = _decoder_of(model)
+    except ValueError:
+        return None
+    return decoder._pnmix_state if isinstance(decoder, PNMixDecoder) else None
 
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` is currently patched."""
-    return hasattr(model, _STATE_ATTRIBUTE)
+    return patch_state(model) is not None
 
 
 def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: bool = False) -> PNMixCache:
@@ -128,12 +189,12 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
             compileable with ``torch.compile(fullgraph=True)`` and CUDA graphs) instead
             of the growing :class:`~pnmix_patch.cache.PNMixCache`.
     """
-    state = getattr(model, _STATE_ATTRIBUTE, None)
+    state = patch_state(model)
     if state is None:
         raise ValueError("the model is not patched: call pnmix_patch.patch_model(model) first")
     if static:
-        return PNMixStaticCache(model.config, state["config"], state["adapter"].pairing, max_cache_len, _layer_devices(model))
-    return PNMixCache(model.config, state["config"], state["adapter"].pairing, max_cache_len)
+        return PNMixStaticCache(model.config, state.config, state.adapter.pairing, max_cache_len, _layer_devices(model))
+    return PNMixCache(model.config, state.config, state.adapter.pairing, max_cache_len)
 
 
 def _layer_devices(model: torch.nn.Module) -> list[torch.device] | None:
@@ -171,42 +232,14 @@ def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def _cache_creating_forward(decoder, original, state):
-    """Wrap the decoder's forward so that it runs on a PN-Mix cache."""
-    parameters = list(inspect.signature(original).parameters)
-    cache_name = "cache" if "cache" in parameters else "past_key_values"
-    cache_position = parameters.index(cache_name)
-
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
-        args = list(args)
-        cache = args[cache_position] if len(args) > cache_position else None
-        # Accept both names on every version: ``cache`` (transformers >= 5.24) and
-        # ``past_key_values`` (older, still accepted there); pass the version's own.
-        for name in ("cache", "past_key_values"):
-            given = kwargs.pop(name, None)
-            cache = given if cache is None else cache
-        use_cache = kwargs.get("use_cache")
-        if use_cache is None:
-            use_cache = decoder.config.use_cache
-        cache = _pnmix_cache_for(cache, use_cache, decoder, state)
-        if len(args) > cache_position:
-            args[cache_position] = cache
-        else:
-            kwargs[cache_name] = cache
-        return original(*args, **kwargs)
-
-    return forward
-
-
-def _pnmix_cache_for(cache, use_cache, decoder, state):
+def _pnmix_cache_for(cache, use_cache, decoder, state: PatchState):
     model_config = decoder.config
     if isinstance(cache, PNMixCache):
         return cache
     if cache is None:
-        return PNMixCache(model_config, state["config"], state["adapter"].pairing) if use_cache else None
+        return PNMixCache(model_config, state.config, state.adapter.pairing) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
-        return PNMixCache(model_config, state["config"], state["adapter"].pairing)
+        return PNMixCache(model_config, state.config, state.adapter.pairing)
     if type(cache) is StaticCache and not cache.is_initialized:
         return _reusable_static_cache(cache.layers[0].max_cache_len, decoder, state)
     if isinstance(cache, Cache):
@@ -218,14 +251,14 @@ def _pnmix_cache_for(cache, use_cache, decoder, state):
     raise TypeError(f"cache must be a transformers Cache or None, got {type(cache).__name__}")
 
 
-def _reusable_static_cache(max_cache_len: int, decoder, state) -> PNMixStaticCache:
+def _reusable_static_cache(max_cache_len: int, decoder, state: PatchState) -> PNMixStaticCache:
     """The model's static PN-Mix cache for ``max_cache_len``, emptied in place (same addresses,
     so a compiled decode step and its CUDA graphs are reused), or a new one."""
-    cache, devices = state.get("static_cache"), _layer_devices(decoder)
-    if (cache is None or cache.pnmix_config != state["config"] or cache.layers[0].max_cache_len != max_cache_len
+    cache, devices = state.static_cache, _layer_devices(decoder)
+    if (cache is None or cache.pnmix_config != state.config or cache.layers[0].max_cache_len != max_cache_len
             or cache.layer_devices != (devices or [None] * len(cache.layers))):  # fmt: skip
-        cache = PNMixStaticCache(decoder.config, state["config"], state["adapter"].pairing, max_cache_len, devices)
-        state["static_cache"] = cache
+        cache = PNMixStaticCache(decoder.config, state.config, state.adapter.pairing, max_cache_len, devices)
+        state.static_cache = cache
     else:
         cache.reset()
     return cache

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .mixins import RuntimeMixin
+
 NEG_INF = float("-inf")
 
 
@@ -107,7 +109,7 @@ def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, 
 
 
 def pnmix_attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs):
-    """Forward of a patched attention module (bound to the module by ``patch_model``).
+    """Forward of a patched attention module (:class:`PNMixAttention`).
 
     A decode step into a static cache hands the query and key to the cache before the q/k norms and
     RoPE: its append kernel does both (``pnmix::decode_rotate_append``, one launch where compiled
@@ -126,6 +128,14 @@ def pnmix_attention_forward(self, hidden_states, position_embeddings=None, atten
     else:
         output = _attend(self, hidden_states, query, key, value, position_embeddings, attention_mask, cache)
     return self.o_proj(output), None
+
+
+class PNMixAttention(RuntimeMixin):
+    """Mixin of a patched attention module: ``patch_model`` gives each attention module the class
+    ``PNMix<its class>`` (:mod:`pnmix_patch.mixins`), whose forward is :func:`pnmix_attention_forward`."""
+
+    prefix = "PNMix"
+    forward = pnmix_attention_forward
 
 
 def _attend(self, hidden_states, query, key, value, position_embeddings, attention_mask, cache) -> torch.Tensor:

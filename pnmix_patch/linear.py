@@ -36,6 +36,7 @@ from transformers.activations import SiLUActivation
 
 from .kernels.gemv import MAX_STACKED, gemv, gemv_stacked
 from .kernels.gemv_swiglu import gemv_swiglu
+from .mixins import RuntimeMixin, mixed_class, set_classes, unmixed_class
 
 
 def _one_token(x: torch.Tensor, linear: torch.nn.Linear) -> bool:
@@ -86,38 +87,18 @@ def stacked_products(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     return tuple(y.view(*x.shape[:-1], size) for y, size in zip(stacked.split(sizes), sizes))
 
 
-class GemvGatedMLP:
+class GemvGatedMLP(RuntimeMixin):
     """Mixin of a gated MLP (``down_proj(silu(gate_proj(x)) * up_proj(x))``) whose one-token gate and up
-    products and SiLU run in one ``pnmix::gemv_swiglu`` (:func:`patch_gemv` makes a subclass of the
-    model's MLP class with it)."""
+    products and SiLU run in one ``pnmix::gemv_swiglu`` (:func:`patch_gemv` gives each MLP the class
+    ``Gemv<its MLP class>``, see :mod:`pnmix_patch.mixins`)."""
+
+    prefix = "Gemv"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _fusable(x, (self.gate_proj, self.up_proj)):
             return super().forward(x)
         hidden = gemv_swiglu(x.reshape(-1), self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias, self.up_proj.bias)
         return self.down_proj(hidden.view(*x.shape[:-1], -1))
-
-    def __reduce_ex__(self, protocol):
-        # The Gemv<MLP> classes are made at run time, so pickle cannot find them by name: an instance
-        # pickles as "an instance of Gemv<its MLP class>", made again when unpickled (state unchanged).
-        rebuild, args, *rest = super().__reduce_ex__(protocol)
-        mlp_class = type(self).__bases__[1]
-        return (_new_gated_mlp, (mlp_class,), *rest) if args and args[0] is type(self) else (rebuild, args, *rest)
-
-
-_GATED_MLP_SUBCLASSES: dict[type, type] = {}
-
-
-def _gated_mlp_subclass(mlp_class: type) -> type:
-    """``Gemv<mlp_class>``: :class:`GemvGatedMLP` first, so its forward wins (one subclass per class)."""
-    if mlp_class not in _GATED_MLP_SUBCLASSES:
-        _GATED_MLP_SUBCLASSES[mlp_class] = type(f"Gemv{mlp_class.__name__}", (GemvGatedMLP, mlp_class), {"__module__": __name__})
-    return _GATED_MLP_SUBCLASSES[mlp_class]
-
-
-def _new_gated_mlp(mlp_class: type) -> torch.nn.Module:
-    """An empty instance of ``Gemv<mlp_class>`` (unpickling sets its state)."""
-    return object.__new__(_gated_mlp_subclass(mlp_class))
 
 
 def _gated_mlp_class(model: torch.nn.Module) -> type | None:
@@ -150,29 +131,25 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
     The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
     ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
     also pays a custom op's and a Triton launch's host time (not measured on a GPU). A model patched
-    by this function pickles (``torch.save(model)``) and loads patched where ``pnmix_patch`` imports;
-    one also patched by :func:`~pnmix_patch.patch_model` pickles once :func:`~pnmix_patch.unpatch_model`
-    has undone that. Its ``state_dict`` and ``save_pretrained`` are unchanged.
+    by this function (and :func:`~pnmix_patch.patch_model`) deep-copies and pickles (``torch.save(model)``),
+    and loads patched where ``pnmix_patch`` imports. Its ``state_dict`` and ``save_pretrained`` are unchanged.
+    Layers hooked by accelerate (CPU offload) before patching keep their hooks, around the new forward.
     """
     modules = list(model.modules())
     if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
         raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
                          "(subclasses, such as quantized linear layers, are left alone)")
     mlp_class = _gated_mlp_class(model)
-    for module in modules:
-        if type(module) is torch.nn.Linear:
-            module.__class__ = GemvLinear
-        elif type(module) is mlp_class and isinstance(module.act_fn, (torch.nn.SiLU, SiLUActivation)):
-            module.__class__ = _gated_mlp_subclass(mlp_class)
+    gated = [m for m in modules if type(m) is mlp_class and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation))]
+    set_classes([(m, GemvLinear) for m in modules if type(m) is torch.nn.Linear]
+                + [(m, mixed_class(GemvGatedMLP, mlp_class)) for m in gated])  # fmt: skip
     return model
 
 
 def unpatch_gemv(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class."""
-    unfused = {subclass: mlp_class for mlp_class, subclass in _GATED_MLP_SUBCLASSES.items()}
-    for module in model.modules():
-        if type(module) is GemvLinear:
-            module.__class__ = torch.nn.Linear
-        elif type(module) in unfused:
-            module.__class__ = unfused[type(module)]
+    def own_class(module):
+        return torch.nn.Linear if type(module) is GemvLinear else unmixed_class(type(module), GemvGatedMLP)
+
+    set_classes((module, cls) for module in model.modules() if (cls := own_class(module)) is not None)
     return model

@@ -43,7 +43,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .api import is_patched, patch_model
+from .api import is_patched, patch_model, patch_state
 from .models import DEFAULT_MODEL, load_model
 
 MODEL_NAME = "pnmix"
@@ -161,7 +161,7 @@ class PNMixLM(HFLM):
         finally:
             hf_logger.setLevel(level)
         self.pretrained = name
-        self.preset = model._pnmix_state["config"]
+        self.preset = patch_state(model).config
         if accelerator is not None:
             self.accelerator = accelerator
             self._device = accelerator.device

@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import inspect
+import io
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+import pnmix_patch.mixins
 
 CACHE_KWARG = "cache" if "cache" in inspect.signature(LlamaModel.forward).parameters else "past_key_values"
 """The forward argument naming a cache in this transformers version (renamed in 5.24)."""
@@ -55,6 +58,17 @@ def tiny_model(architecture: str, seed: int = 0, **overrides):
                     if hasattr(module, name):
                         getattr(module, name).bias.normal_(0, 0.5)
     return model
+
+
+def saved_and_loaded(model, monkeypatch):
+    """``torch.save`` then ``torch.load`` of ``model``, loaded where the classes patching makes at run time
+    were never made (a fresh process, simulated by emptying their registries for the test)."""
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    monkeypatch.setattr(pnmix_patch.mixins, "_MIXED", {})
+    monkeypatch.setattr(pnmix_patch.mixins, "_PARTS", {})
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 def output_cache(output):

@@ -1,11 +1,16 @@
 """patch_model / unpatch_model: one line, reversible, idempotent, clear errors."""
 
+import copy
+import inspect
+import json
+
 import pytest
 import torch
-from conftest import CACHE_KWARG, output_cache, tiny_model
+from conftest import CACHE_KWARG, output_cache, saved_and_loaded, tiny_model
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaModel
 
-from pnmix_patch import PNMixCache, PNMixConfig, is_patched, new_cache, patch_model, unpatch_model
+from pnmix_patch import PNMixCache, PNMixConfig, PNMixStaticCache, is_patched, new_cache, patch_model, unpatch_model
 
 FLUSHING = PNMixConfig(sink_tokens=4, residual_tokens=32, key_group_size=32, name="flushing")
 
@@ -40,14 +45,98 @@ def test_patch_twice_is_harmless_and_unpatch_restores_exactly():
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0)
     patch_model(model)
     patch_model(model, "kivi-2")  # only the config changes
+    assert type(attention).__name__ == "PNMixLlamaAttention" and type(model.model).__bases__[1] is LlamaModel
+    assert {type(layer.self_attn) for layer in model.model.layers} == {type(attention)}
     assert is_patched(model) and model.config._attn_implementation == "pnmix"
     assert isinstance(new_cache(model), PNMixCache) and new_cache(model).pnmix_config.name == "kivi-2"
     unpatch_model(model)
     assert not is_patched(model) and model.config._attn_implementation == "sdpa"
+    assert type(attention) is LlamaAttention and type(model.model) is LlamaModel
     assert "forward" not in vars(attention) and type(attention).forward is original_forward
     assert "forward" not in vars(model.model)
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False, pad_token_id=0), expected)
     unpatch_model(model)  # unpatching an unpatched model is a no-op
+
+
+def halved(model):
+    """``model`` with every weight halved, in place."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(0.5)
+    return model
+
+
+def test_a_deep_copy_runs_its_own_modules():
+    """``copy.deepcopy`` of a patched model: the copy's forward runs the copy's modules (a forward bound to
+    the original decoder at patch time would run the original's layers under the copy's LM head)."""
+    model = patch_model(tiny_model("llama"), FLUSHING)
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        copied = halved(copy.deepcopy(model))
+        want = patch_model(halved(tiny_model("llama")), FLUSHING)(ids).logits
+        assert torch.equal(copied(ids).logits, want)
+        assert torch.equal(model(ids).logits, before)
+    assert is_patched(copied) and isinstance(output_cache(copied(ids[:, :5], use_cache=True)), PNMixCache)
+    assert unpatch_model(copied).config._attn_implementation == "sdpa" and is_patched(model)
+
+
+def test_a_patched_model_pickles_and_loads_patched(monkeypatch):
+    """``torch.save`` of a patched model (its classes made at run time) loads patched, with the same config
+    and the same greedy tokens through a static cache, also where those classes were never made (a fresh
+    process, simulated by empty registries). The decoder's forward shows the decoder's own signature."""
+    model = patch_model(tiny_model("qwen3"), FLUSHING)
+    ids = torch.randint(3, 96, (1, 20), generator=torch.Generator().manual_seed(2))
+    want = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert isinstance(model.model._pnmix_state.static_cache, PNMixStaticCache)
+    loaded = saved_and_loaded(model, monkeypatch)
+    assert is_patched(loaded) and new_cache(loaded).pnmix_config == FLUSHING
+    assert loaded.model._pnmix_state.static_cache is None  # the cache stays behind
+    assert type(loaded.model.layers[0].self_attn) is not type(model.model.layers[0].self_attn)  # made again
+    assert inspect.signature(loaded.model.forward) == inspect.signature(type(loaded.model).__bases__[1].forward.__get__(loaded.model))
+    got = loaded.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=0, cache_implementation="static")
+    assert torch.equal(got, want)
+
+
+def test_a_patched_bare_decoder_saves_under_its_own_class_name(tmp_path):
+    decoder = patch_model(tiny_model("llama").model, FLUSHING)
+    assert type(decoder) is not LlamaModel and isinstance(decoder, LlamaModel)
+    decoder.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["LlamaModel"]
+
+
+def test_accelerate_hooks_keep_running_around_the_patched_forwards():
+    """A module hooked by accelerate before patching (``add_hook_to_module`` sets the instance's forward to
+    run the hook around the forward it found): the hook runs around PN-Mix's forward, and around the own
+    forward again after unpatching. Any other instance forward is refused, naming the module."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Counting(hooks.ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Counting.calls += 1
+            return args, kwargs
+
+    model = tiny_model("llama")
+    attention = model.model.layers[1].self_attn
+    for module in (model.model, attention):
+        hooks.add_hook_to_module(module, Counting())
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    patch_model(model, FLUSHING)
+    with torch.no_grad():
+        output = model(ids, use_cache=True)
+    assert Counting.calls == 2 and isinstance(output_cache(output), PNMixCache)
+    unpatch_model(model)
+    with torch.no_grad():
+        assert not isinstance(output_cache(model(ids, use_cache=True)), PNMixCache)
+    assert Counting.calls == 4 and type(attention) is LlamaAttention
+
+    other = tiny_model("llama")
+    other.model.layers[0].self_attn.forward = lambda *args, **kwargs: None
+    with pytest.raises(ValueError, match="LlamaAttention module has a forward set on the instance"):
+        patch_model(other)
+    assert not is_patched(other) and type(other.model) is LlamaModel  # nothing was changed
 
 
 def test_sampling_generation_runs_through_the_pnmix_cache():

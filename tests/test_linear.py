@@ -1,10 +1,9 @@
 """``patch_gemv``: one-token products through ``pnmix::gemv`` (q/k/v stacked, gate/up fused), alone and with PN-Mix, eager and compiled."""
 
-import io
 
 import pytest
 import torch
-from conftest import CACHE_KWARG, output_cache, tiny_model
+from conftest import CACHE_KWARG, output_cache, saved_and_loaded, tiny_model
 from test_cache import SMALL
 from torch._dynamo.utils import counters
 
@@ -139,6 +138,14 @@ def test_accelerate_cpu_offload_gives_the_same_logits():
     accelerate.cpu_offload(patch_gemv(model), execution_device=torch.device("cpu"))
     assert model.model.layers[0].mlp.gate_proj.weight.device.type == "meta"
     torch.testing.assert_close(last_logits(), want)
+    # Offloaded first, patched after: each layer's hook still moves its weights in, around the new forward.
+    unpatch_gemv(model)
+    assert type(model.model.layers[0].mlp.gate_proj) is torch.nn.Linear
+    torch.testing.assert_close(last_logits(), want)
+    patch_gemv(model)
+    gate = model.model.layers[0].mlp.gate_proj
+    assert type(gate) is GemvLinear and gate._old_forward.__func__ is GemvLinear.forward  # what the hook calls
+    torch.testing.assert_close(last_logits(), want)
 
 
 def test_more_layers_than_a_launch_stacks_are_called_one_by_one(monkeypatch):
@@ -212,11 +219,7 @@ def test_a_patched_model_pickles_and_loads_patched(monkeypatch):
     simulated by an empty registry)."""
     model = patch_gemv(tiny_model("llama"))
     ids = torch.randint(3, 96, (1, 12))
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    monkeypatch.setattr(pnmix_patch.linear, "_GATED_MLP_SUBCLASSES", {})
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    loaded = saved_and_loaded(model, monkeypatch)
     mlp = loaded.model.layers[0].mlp
     assert type(mlp).__name__ == "GemvLlamaMLP" and isinstance(mlp, GemvGatedMLP)
     assert type(loaded.model.layers[0].self_attn.q_proj) is GemvLinear

@@ -331,8 +331,8 @@ def aliasing_tests(model, cache, token) -> int:
 
 def test_the_compiled_step_checks_few_shared_objects_per_layer():
     """Every object that two layers share costs one Python ``is`` test per layer and call: per layer,
-    the decode step makes two, for the shared stacks and for the attention module's bound forward
-    (bf16's StaticCache step makes one, for the model config)."""
+    the decode step makes one, for the shared stacks, as bf16's StaticCache step makes one, for the model
+    config (a ``forward`` bound on each attention module made a second: patching changes classes)."""
     counts = []
     for layers in (2, 3):
         model = patch_model(tiny_model("llama", num_hidden_layers=layers), SMALL)
@@ -341,4 +341,4 @@ def test_the_compiled_step_checks_few_shared_objects_per_layer():
         with torch.no_grad():
             token = model(input_ids=prompt, **{CACHE_KWARG: cache}).logits[:, -1:].argmax(-1)
         counts.append(aliasing_tests(model, cache, token))
-    assert counts[1] - counts[0] == 2, counts  # the stacks, and the module's bound forward
+    assert counts[1] - counts[0] == 1, counts  # the stacks
