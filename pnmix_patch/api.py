@@ -6,7 +6,7 @@ the model's classes are untouched, and a patched model deep-copies and pickles p
 1. every attention module of the architecture becomes a ``PNMix<its class>``
    (:class:`~pnmix_patch.attention.PNMixAttention`), whose forward is
    :func:`~pnmix_patch.attention.pnmix_attention_forward`;
-2. the decoder gets a subclass of its class, of the same name (:class:`PNMixDecoder`), whose forward turns a
+2. the decoder gets a subclass of its class that passes for it (:class:`PNMixDecoder`), whose forward turns a
    missing cache (``use_cache=True``) or the empty ``DynamicCache`` that ``generate`` creates into a
    :class:`~pnmix_patch.cache.PNMixCache`, and an empty transformers ``StaticCache``
    (``generate(..., cache_implementation="static")``) into a
@@ -64,13 +64,16 @@ class PatchState:
 class PNMixDecoder(RuntimeMixin):
     """Mixin of a patched model's decoder (``LlamaModel`` of a ``LlamaForCausalLM``): its forward runs on a
     PN-Mix cache (point 2 of the module docstring), then the decoder's own. Each class made with it
+    passes for the decoder's class (same name and module, see :class:`~pnmix_patch.mixins.RuntimeMixin`),
     shows the decoder's own signature and records where that takes the cache: ``cache``
     (transformers >= 5.24) or ``past_key_values``."""
 
-    prefix = ""  # the decoder's own name: save_pretrained records it in config.architectures (of a bare decoder)
+    prefix = ""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        if PNMixDecoder not in cls.__bases__:
+            return  # a subclass of a patched decoder's class keeps its own forward
         own = super(PNMixDecoder, cls).forward
         parameters = list(inspect.signature(own).parameters)[1:]  # after self
         cache_name = "cache" if "cache" in parameters else "past_key_values"
@@ -78,7 +81,8 @@ class PNMixDecoder(RuntimeMixin):
 
         @functools.wraps(own)
         def forward(self, *args, **kwargs):
-            return own(self, *self._on_pnmix_cache(args, kwargs), **kwargs)
+            # The decoder's forward as its class has it now (a later class-level patch of it counts).
+            return super(cls, self).forward(*self._on_pnmix_cache(args, kwargs), **kwargs)
 
         cls.forward = forward
 
@@ -119,7 +123,8 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
 
     Raises:
         ValueError: unsupported architecture or configuration (sliding windows); a module to patch
-            with a ``forward`` set on the instance (other than accelerate's hooks, which keep running).
+            with a ``forward`` set on the instance (other than accelerate's hooks, which keep running,
+            see :func:`~pnmix_patch.mixins.set_classes`).
     """
     pnmix_config = resolve_config(config)
     model_config = model.config.get_text_config(decoder=True)
@@ -149,7 +154,11 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
 
 
 def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_model`: every module has its own class again, the model its attention implementation."""
+    """Undo :func:`patch_model`: every module has its own class again, the model its attention implementation.
+
+    Raises:
+        ValueError: a patched module has since been given a ``forward`` on the instance (see
+            :func:`~pnmix_patch.mixins.set_classes`); nothing is changed then."""
     state = patch_state(model)
     if state is None:
         return model

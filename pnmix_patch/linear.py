@@ -126,7 +126,9 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
         The same model. Patching again changes nothing.
 
     Raises:
-        ValueError: the model has no ``torch.nn.Linear`` layer (nor a patched one).
+        ValueError: the model has no ``torch.nn.Linear`` layer (nor a patched one); a layer to patch has a
+            ``forward`` set on the instance (other than accelerate's hooks, which keep running, see
+            :func:`~pnmix_patch.mixins.set_classes`). Nothing is changed then.
 
     The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
     ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
@@ -147,7 +149,12 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def unpatch_gemv(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class."""
+    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class.
+
+    Raises:
+        ValueError: a patched layer has since been given a ``forward`` on the instance (see
+            :func:`~pnmix_patch.mixins.set_classes`); nothing is changed then."""
+
     def own_class(module):
         return torch.nn.Linear if type(module) is GemvLinear else unmixed_class(type(module), GemvGatedMLP)
 

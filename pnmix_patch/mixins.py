@@ -10,41 +10,50 @@ setting a ``forward`` on the instance:
   per module to every compiled call.
 
 A mixed class has no importable name, so an instance pickles as "an instance of ``Mixin`` over
-``Base``" (:meth:`RuntimeMixin.__reduce_ex__`): loading makes the class again where this package
-imports, and state (parameters, buffers, attributes) loads as usual.
+``Base``" (:meth:`RuntimeMixin.__reduce_ex__`; over ``Mixin2`` over ``Base`` when its base is a mixed
+class too): loading makes the class again where this package imports, and state (parameters, buffers,
+attributes) loads as usual.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 
 _MIXED: dict[tuple[type, type], type] = {}  # (mixin, base) -> their class
 _PARTS: dict[type, tuple[type, type]] = {}  # the inverse
+_MAKING = threading.Lock()  # one class per pair, also when threads patch models at once
 
 
 class RuntimeMixin:
     """Base of the library's mixins: instances of ``mixed_class(mixin, base)`` pickle and deep-copy
-    (see the module docstring). A mixin's name is the prefix of its classes' names."""
+    (see the module docstring).
+
+    ``prefix`` starts the names of a mixin's classes (``<prefix><Base>``). Empty, the class takes its
+    base's name *and module*: it passes for its base wherever classes are told apart by their name
+    (``save_pretrained``'s ``config.architectures``, transformers' registry of what each model class
+    can record for ``output_hidden_states``)."""
 
     prefix = ""
 
     def __reduce_ex__(self, protocol):
         rebuild, args, *rest = super().__reduce_ex__(protocol)
-        parts = _PARTS.get(type(self))
-        if parts is not None and args and args[0] is type(self):  # copyreg.__newobj__(cls): make cls again
-            return (_new_instance, parts, *rest)
+        if type(self) in _PARTS and args and args[0] is type(self):  # copyreg.__newobj__(cls): make cls again
+            return (_new_instance, _recipe(type(self)), *rest)
         return (rebuild, args, *rest)
 
 
 def mixed_class(mixin: type[RuntimeMixin], base: type) -> type:
-    """The class ``<prefix><Base>`` of bases ``(mixin, base)``: the mixin's methods win, ``super()``
-    in them reaches ``base``'s. Made once per pair."""
-    if (mixin, base) not in _MIXED:
-        name = f"{mixin.prefix}{base.__name__}"
-        cls = type(name, (mixin, base), {"__module__": mixin.__module__, "__qualname__": name})
-        _MIXED[mixin, base] = cls
-        _PARTS[cls] = (mixin, base)
-    return _MIXED[mixin, base]
+    """The class of bases ``(mixin, base)`` (named as :class:`RuntimeMixin` says): the mixin's methods
+    win, ``super()`` in them reaches ``base``'s. Made once per pair."""
+    with _MAKING:
+        if (mixin, base) not in _MIXED:
+            name = f"{mixin.prefix}{base.__name__}"
+            module = mixin.__module__ if mixin.prefix else base.__module__
+            cls = type(name, (mixin, base), {"__module__": module, "__qualname__": name})
+            _MIXED[mixin, base] = cls
+            _PARTS[cls] = (mixin, base)
+        return _MIXED[mixin, base]
 
 
 def unmixed_class(cls: type, mixin: type[RuntimeMixin]) -> type | None:
@@ -53,30 +62,56 @@ def unmixed_class(cls: type, mixin: type[RuntimeMixin]) -> type | None:
     return parts[1] if parts is not None and parts[0] is mixin else None
 
 
-def _new_instance(mixin: type[RuntimeMixin], base: type):
-    """An empty instance of ``mixed_class(mixin, base)`` (unpickling then sets its state)."""
-    return object.__new__(mixed_class(mixin, base))
+def _recipe(cls: type) -> tuple[type, ...]:
+    """``(mixin, ..., base)``: the mixins ``cls`` was made with, outermost first, then the importable
+    class under them all."""
+    mixins = []
+    while cls in _PARTS:
+        mixin, cls = _PARTS[cls]
+        mixins.append(mixin)
+    return (*mixins, cls)
+
+
+def _new_instance(*recipe: type):
+    """An empty instance of the class :func:`_recipe` describes (unpickling then sets its state)."""
+    cls = recipe[-1]
+    for mixin in reversed(recipe[:-1]):
+        cls = mixed_class(mixin, cls)
+    return object.__new__(cls)
+
+
+def _bound_forward(method, module) -> bool:
+    """``method`` is ``module``'s class forward bound to ``module``."""
+    return getattr(method, "__func__", None) is type(module).forward and getattr(method, "__self__", None) is module
 
 
 def set_classes(changes) -> None:
     """Give each module of ``changes`` (pairs ``(module, cls)``) its class ``cls`` (a mixed class, or the
     base back).
 
-    A ``forward`` set on the instance would hide the class's. accelerate's hooks set one
-    (``add_hook_to_module``: it runs the hook around ``_old_forward``, the module's forward when the hook
-    was added): that becomes the new class's forward, so the hook goes on running around it. Any other
-    instance ``forward`` raises ValueError, before any module is changed."""
+    A ``forward`` set on the instance would hide the class's:
+
+    - accelerate's hooks set one (``add_hook_to_module``: it runs the hook around ``_old_forward``, the
+      module's forward when the hook was added): that becomes the new class's forward, so the hook goes
+      on running around it;
+    - one that is only the class's forward bound to the module (what ``remove_hook_from_module`` leaves)
+      is dropped;
+    - any other raises ValueError, before any module is changed."""
     changes = list(changes)
-    hooked = []
     for module, cls in changes:
         own = vars(module)
-        hooked.append(getattr(own.get("_old_forward"), "__func__", None) is type(module).forward)
-        if "forward" in own and not hooked[-1]:
+        if "forward" in own and not _bound_forward(own.get("_old_forward"), module) and not _bound_forward(own["forward"], module):
+            forward = own["forward"]
             raise ValueError(
-                f"the {type(module).__name__} module has a forward set on the instance ({own['forward']!r}), "
-                f"which would hide {cls.__name__}.forward: remove it (del module.forward) before patching"
+                f"a {type(module).__name__} module has a forward set on the instance "
+                f"({getattr(forward, '__qualname__', type(forward).__name__)}), which would hide "
+                f"{cls.__name__}.forward: remove it (del module.forward) before patching or unpatching"
             )
-    for (module, cls), hook in zip(changes, hooked):
+    for module, cls in changes:
+        own = vars(module)
+        hooked = _bound_forward(own.get("_old_forward"), module)
+        if not hooked and "forward" in own:
+            del module.forward
         module.__class__ = cls
-        if hook:
+        if hooked:
             module._old_forward = types.MethodType(cls.forward, module)

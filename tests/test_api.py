@@ -1,8 +1,10 @@
 """patch_model / unpatch_model: one line, reversible, idempotent, clear errors."""
 
 import copy
+import functools
 import inspect
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -98,6 +100,35 @@ def test_a_patched_model_pickles_and_loads_patched(monkeypatch):
     assert torch.equal(got, want)
 
 
+def test_hidden_states_are_returned_as_unpatched():
+    """``output_hidden_states`` through a patched model: transformers >= 5.24 looks up what a model can
+    record by the name of its class, so the patched decoder's class passes for its own."""
+    model = tiny_model("qwen3")
+    ids = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True).hidden_states
+        got = patch_model(model, FLUSHING)(ids, output_hidden_states=True).hidden_states
+    assert got is not None and len(got) == len(want) == model.config.num_hidden_layers + 1
+    torch.testing.assert_close(got[0], want[0])
+
+
+def test_a_later_change_to_the_decoder_class_forward_is_seen():
+    """The patched decoder calls its class's forward as that class has it at the call (another library may
+    wrap it after a first model was patched in the process)."""
+    unpatch_model(patch_model(tiny_model("llama")))
+    calls = []
+    own = LlamaModel.forward
+
+    @functools.wraps(own)
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return own(self, *args, **kwargs)
+
+    with mock.patch.object(LlamaModel, "forward", counting), torch.no_grad():
+        patch_model(tiny_model("llama"), FLUSHING)(torch.randint(3, 96, (1, 12)))
+    assert len(calls) == 1
+
+
 def test_a_patched_bare_decoder_saves_under_its_own_class_name(tmp_path):
     decoder = patch_model(tiny_model("llama").model, FLUSHING)
     assert type(decoder) is not LlamaModel and isinstance(decoder, LlamaModel)
@@ -108,7 +139,8 @@ def test_a_patched_bare_decoder_saves_under_its_own_class_name(tmp_path):
 def test_accelerate_hooks_keep_running_around_the_patched_forwards():
     """A module hooked by accelerate before patching (``add_hook_to_module`` sets the instance's forward to
     run the hook around the forward it found): the hook runs around PN-Mix's forward, and around the own
-    forward again after unpatching. Any other instance forward is refused, naming the module."""
+    forward again after unpatching; with the hooks removed, patching and unpatching still work. Any other
+    instance forward is refused, naming the module."""
     hooks = pytest.importorskip("accelerate.hooks")
 
     class Counting(hooks.ModelHook):
@@ -131,6 +163,15 @@ def test_accelerate_hooks_keep_running_around_the_patched_forwards():
     with torch.no_grad():
         assert not isinstance(output_cache(model(ids, use_cache=True)), PNMixCache)
     assert Counting.calls == 4 and type(attention) is LlamaAttention
+
+    # accelerate's remove_hook_from_module leaves the forward it had wrapped bound on the instance: patching
+    # and unpatching go on (the leftover is dropped), before and after the hooks come off.
+    patch_model(model, FLUSHING)
+    for module in (model.model, attention):
+        hooks.remove_hook_from_module(module)
+    assert "forward" in vars(attention)
+    unpatch_model(patch_model(unpatch_model(model), FLUSHING))
+    assert "forward" not in vars(attention) and type(attention) is LlamaAttention and not is_patched(model)
 
     other = tiny_model("llama")
     other.model.layers[0].self_attn.forward = lambda *args, **kwargs: None
