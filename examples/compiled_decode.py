@@ -19,9 +19,10 @@ the weights faster than cuBLAS at batch 1 on an H200. On GPUs of compute capabil
 graphed step's kernels, the library's and Inductor's, launch with programmatic dependent launch: each
 may start while the one before it finishes (``benchmarks/RESULTS.md``, twenty-fourth session: 0.968-0.971x
 the time of the graphed step at 32K, 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B on an H200).
-``--no-pdl`` turns it off. Through ``reduce-overhead`` it is the user's to turn on: ``PNMIX_PDL=1`` in
-the environment before the import and ``torch._inductor.config.triton.enable_pdl = True`` before the
-first compile (not measured on that path).
+``--no-pdl`` turns it off. Through ``reduce-overhead`` it is the user's to turn on: ``PNMIX_PDL=1`` and
+``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment (twenty-fifth session: 0.950x and 0.972x the 32K step's
+time on the GPU, Qwen3-8B and Llama-3.1-8B, when the loop does not wait for each token; a loop that does
+also waits for that path's host time per call, 0.6-1.6 ms there).
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus
