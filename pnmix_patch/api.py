@@ -99,7 +99,7 @@ class PNMixDecoder(RuntimeMixin):
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = self.config.use_cache
-        cache = _pnmix_cache_for(cache, use_cache, self, self._pnmix_state)
+        cache = _pnmix_cache_for(cache, use_cache, self)
         if len(args) > position:
             args[position] = cache
         else:
@@ -163,10 +163,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return model
     decoder = _decoder_of(model)
-    attentions = [m for m in model.modules() if unmixed_class(type(m), PNMixAttention) is not None]
-    set_classes([(decoder, unmixed_class(type(decoder), PNMixDecoder))]
-                + [(attention, unmixed_class(type(attention), PNMixAttention)) for attention in attentions])  # fmt: skip
-    for attention in attentions:
+    attentions = [(m, own) for m in model.modules() if (own := unmixed_class(type(m), PNMixAttention)) is not None]
+    set_classes([(decoder, unmixed_class(type(decoder), PNMixDecoder)), *attentions])
+    for attention, _ in attentions:
         del attention._pnmix_adapter, attention._pnmix_rotary
     del decoder._pnmix_state
     model.config.get_text_config(decoder=True)._attn_implementation = state.attn_implementation
@@ -241,8 +240,9 @@ def _decoder_of(model: torch.nn.Module) -> torch.nn.Module:
     return decoder
 
 
-def _pnmix_cache_for(cache, use_cache, decoder, state: PatchState):
-    model_config = decoder.config
+def _pnmix_cache_for(cache, use_cache, decoder):
+    """``cache`` as a patched ``decoder`` runs on it (see the module docstring, point 2)."""
+    model_config, state = decoder.config, decoder._pnmix_state
     if isinstance(cache, PNMixCache):
         return cache
     if cache is None:
@@ -250,7 +250,7 @@ def _pnmix_cache_for(cache, use_cache, decoder, state: PatchState):
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
         return PNMixCache(model_config, state.config, state.adapter.pairing)
     if type(cache) is StaticCache and not cache.is_initialized:
-        return _reusable_static_cache(cache.layers[0].max_cache_len, decoder, state)
+        return _reusable_static_cache(cache.layers[0].max_cache_len, decoder)
     if isinstance(cache, Cache):
         raise TypeError(
             f"a PN-Mix patched model cannot use a {type(cache).__name__} "
@@ -260,9 +260,10 @@ def _pnmix_cache_for(cache, use_cache, decoder, state: PatchState):
     raise TypeError(f"cache must be a transformers Cache or None, got {type(cache).__name__}")
 
 
-def _reusable_static_cache(max_cache_len: int, decoder, state: PatchState) -> PNMixStaticCache:
-    """The model's static PN-Mix cache for ``max_cache_len``, emptied in place (same addresses,
+def _reusable_static_cache(max_cache_len: int, decoder) -> PNMixStaticCache:
+    """The patched ``decoder``'s static PN-Mix cache for ``max_cache_len``, emptied in place (same addresses,
     so a compiled decode step and its CUDA graphs are reused), or a new one."""
+    state = decoder._pnmix_state
     cache, devices = state.static_cache, _layer_devices(decoder)
     if (cache is None or cache.pnmix_config != state.config or cache.layers[0].max_cache_len != max_cache_len
             or cache.layer_devices != (devices or [None] * len(cache.layers))):  # fmt: skip

@@ -97,21 +97,18 @@ def set_classes(changes) -> None:
     - one that is only the class's forward bound to the module (what ``remove_hook_from_module`` leaves)
       is dropped;
     - any other raises ValueError, before any module is changed."""
-    changes = list(changes)
-    for module, cls in changes:
-        own = vars(module)
-        if "forward" in own and not _bound_forward(own.get("_old_forward"), module) and not _bound_forward(own["forward"], module):
-            forward = own["forward"]
+    changes = [(module, cls, _bound_forward(vars(module).get("_old_forward"), module)) for module, cls in changes]
+    for module, cls, hooked in changes:
+        forward = vars(module).get("forward")
+        if forward is not None and not hooked and not _bound_forward(forward, module):
             raise ValueError(
                 f"a {type(module).__name__} module has a forward set on the instance "
                 f"({getattr(forward, '__qualname__', type(forward).__name__)}), which would hide "
                 f"{cls.__name__}.forward: remove it (del module.forward) before patching or unpatching"
             )
-    for module, cls in changes:
-        own = vars(module)
-        hooked = _bound_forward(own.get("_old_forward"), module)
-        if not hooked and "forward" in own:
-            del module.forward
+    for module, cls, hooked in changes:
+        if not hooked and "forward" in vars(module):
+            del module.forward  # the class's forward, bound: a removed hook's leftover
         module.__class__ = cls
         if hooked:
             module._old_forward = types.MethodType(cls.forward, module)
