@@ -90,7 +90,7 @@ def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, rag
     order = random_order(batch, num_high, device)
     keys = torch.randn(batch, KV_HEADS, groups * group, HEAD_DIM, device=device, dtype=dtype)
     key_parts = pack_keys(keys, order, num_high, group, config.key_bits_high, config.key_bits_low, True)
-    value_parts = pack_values(torch.randn_like(keys), config.value_bits, HEAD_DIM, True)
+    value_parts = pack_values(torch.randn_like(keys), config.value_bits, HEAD_DIM, True, group)
     del keys
     if ragged:
         lengths = (torch.randint(0, SINKS + 1, (batch,)), torch.randint(0, groups + 1, (batch,)), torch.randint(1, RESIDUAL + 1, (batch,)))
@@ -131,7 +131,7 @@ def check_correctness(device) -> dict:
             want = quantize_keys(keys, mask, num_high, group, config.key_bits_high, config.key_bits_low, True)
             values = torch.randn(3, 4, 200, HEAD_DIM, device=device).to(dtype)
             exact = all(identical(g, w) for g, w in zip(got, want)) and all(
-                identical(g, w) for g, w in zip(pack_values(values, 2, HEAD_DIM, True), quantize_values(values, 2, HEAD_DIM, True))
+                identical(g, w) for g, w in zip(pack_values(values, 2, HEAD_DIM, True, group), quantize_values(values, 2, HEAD_DIM, True, group))
             )
             result["pack_bit_exact"][f"{name}/{dtype}"] = exact
             args = build_cache(config, 6, 2000, dtype, device, ragged=True)
@@ -217,7 +217,7 @@ def flush_cost(device, rows) -> list[dict]:
         residual = torch.randn(32, KV_HEADS, RESIDUAL, HEAD_DIM, device=device, dtype=torch.bfloat16)
         order = random_order(32, num_high, device)
         ms = median_ms(lambda: (pack_keys(residual, order, num_high, config.key_group_size, config.key_bits_high,
-                                          config.key_bits_low, True), pack_values(residual, 2, HEAD_DIM, True)))  # fmt: skip
+                                          config.key_bits_low, True), pack_values(residual, 2, HEAD_DIM, True, config.key_group_size)))  # fmt: skip
         for tokens in (16384, 32768, 65536):
             step = next((r["ms"] for r in rows if r["kind"] == "kernel" and r["method"] == name and r["batch"] == 32 and r["context"] == tokens), None)
             if step is not None:

@@ -99,6 +99,17 @@ def encode(x, scale, zero, levels):
     return tl.where(y != y, 0.0, code).to(tl.int32)
 
 
+@triton.jit
+def transpose_byte_quads(words):
+    """``words`` ``[N]`` (int32, ``N`` a multiple of 4) with each run of four byte-transposed: word
+    ``b``'s byte ``i`` becomes byte ``b`` of word ``i`` (:func:`pnmix_patch.quantize.transpose_byte_quads`,
+    the operand order of the packed codes). Distinct bits, so the sum is their OR."""
+    N: tl.constexpr = words.shape[0]
+    byte = tl.arange(0, 4)
+    parts = (tl.reshape(words, [N // 4, 4])[:, :, None] >> (8 * byte)[None, None, :]) & 0xFF  # [run, word i, byte b]
+    return tl.reshape(tl.sum(parts << (8 * byte)[None, :, None], 1), [N])
+
+
 def nonempty(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a one-element stand-in when it is empty.
 

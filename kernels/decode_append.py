@@ -92,7 +92,7 @@ def _append_token_kernel(
     s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
     s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
     s_sb, s_sh, s_sg, s_sd,
-    s_cb, s_ch, s_ct, s_cp, s_cw,
+    s_cb, s_ch,
     s_vsb, s_vsh, s_vst, s_vsg,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
@@ -166,8 +166,8 @@ def _append_token_kernel(
             pack_value_tokens(
                 res_v, vc_ptr + b * s_cb + h * s_ch,
                 v_scale_ptr + b * s_vsb + h * s_vsh, v_zero_ptr + b * s_vsb + h * s_vsh,
-                tokens, tokens < residual_cap, num_groups.to(tl.int64) * G + tokens,
-                s_rvt, s_rvd, s_ct, s_cp, s_cw, s_vst, s_vsg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT,
+                tokens, tokens < residual_cap, num_groups.to(tl.int64) * G + tokens, tokens < residual_cap,
+                s_rvt, s_rvd, s_vst, s_vsg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT, G,
             )
         tl.debug_barrier()  # every thread has read the buffer before slot 0 is overwritten
 
@@ -203,6 +203,12 @@ def triton_decode_append(
     sink_cap, residual_cap = sink_keys.shape[2], residual_keys.shape[2]
     group_size = 32 * key_codes_high.shape[4]
     group_cap = key_scale.shape[2]
+    words = value_codes.shape[3] * value_codes.shape[4]
+    if value_codes.stride()[2:] != (words, value_codes.shape[4], 1):
+        raise ValueError(
+            "value_codes must be contiguous below the head dim (the flush writes a group's words in operand order "
+            f"by offset); got strides {tuple(value_codes.stride())} for shape {tuple(value_codes.shape)}"
+        )
     key, value = key.contiguous(), value.contiguous()
     sinks_k, sinks_v = nonempty(sink_keys), nonempty(sink_values)
     residual_k, residual_v = nonempty(residual_keys), nonempty(residual_values)
@@ -233,7 +239,7 @@ def triton_decode_append(
         *key.stride()[:2], *value.stride()[:2], *order.stride(),
         *sink_keys.stride()[:3], *sink_values.stride()[:3],
         *residual_keys.stride(), *residual_values.stride(),
-        *key_codes_high.stride(), *key_codes_low.stride(), *key_scale.stride(), *value_codes.stride(),
+        *key_codes_high.stride(), *key_codes_low.stride(), *key_scale.stride(), *value_codes.stride()[:2],
         *value_scale.stride(),
         BLOCK_D=triton.next_power_of_2(head_dim),
         NUM_HIGH=key_codes_high.shape[-1], G=group_size,
@@ -322,7 +328,8 @@ def decode_append_reference(
             key_codes_high[b, :, groups], key_codes_low[b, :, groups] = high[0], low[0]
             key_scale[b, :, groups], key_zero[b, :, groups] = scale[0], zero[0]
             codes, scale, zero = quantize_values(
-                residual_values[b : b + 1], value_codes.shape[3], key.shape[-1] // value_scale.shape[-1], midpoint_correction
+                residual_values[b : b + 1], value_codes.shape[3], key.shape[-1] // value_scale.shape[-1], midpoint_correction,
+                group_size,
             )
             value_codes[b, :, tokens], value_scale[b, :, tokens], value_zero[b, :, tokens] = codes[0], scale[0], zero[0]
             num_groups[b] += per_flush

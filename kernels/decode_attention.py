@@ -4,8 +4,9 @@ One query token per sequence. The cache of a (sequence, KV head) has three segme
 each with its own per-sequence length read from device tensors (no host sync):
 
 - sinks ``[B, H, S, D]`` (first tokens, full precision), ``sink_len int32[B]``;
-- packed groups (``quantize.py`` layout) with ``num_groups int32[B]``: keys per channel
-  in the *stored* channel order (selected-pair channels first), values per token;
+- packed groups (``quantize.py`` layout, words in its operand order) with ``num_groups
+  int32[B]``: keys per channel in the *stored* channel order (selected-pair channels first),
+  values per token;
 - residual ``[B, H, R, D]`` (recent tokens, full precision), ``residual_len int32[B]``.
 
 Softmax order is irrelevant, so the kernel simply attends to all valid tokens.
@@ -34,8 +35,8 @@ inputs use exact ``ieee`` dots (for tests).
 
 On CUDA the op runs the Gluon kernel of :mod:`.decode_attention_mma` where it applies
 (``supports``: fp16/bf16, head dim 64 or 128, ...): it shares this module's merge kernel
-and launcher (:func:`split_and_merge`) and is 2.4-3.5x faster on an H200 at batch 8 to 64
-(1.2-3.1x at batch 1). This Triton
+and launcher (:func:`split_and_merge`) and is 2.5-7.0x faster on an H200 at batch 8 to 64
+(1.2-5.2x at batch 1; ``benchmarks/results/bench_attention_operand_order.json``). This Triton
 kernel serves the other shapes and is the one the CPU interpreter tests.
 
 Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
@@ -91,6 +92,17 @@ def _attend_dense(
         scores = tl.where((t < length)[None, :], scores, float("-inf"))
         m_i, l_i, acc = _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _key_bits(channel, C, token):
+    """Word (offset within a word row of one plane) and bit of ``token`` ``[32]`` of channel
+    ``channel`` ``[N]`` of a key codes tensor of ``C`` channels, in the operand order of
+    ``quantize.py``: a channel of a run of four is byte ``channel % 4`` of the run's word
+    ``token // 8``; the last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
+    in_run = (channel < 4 * (C // 4))[None, :]
+    word = tl.where(in_run, (4 * (channel // 4))[None, :] + (token // 8)[:, None], channel[None, :])
+    return word, tl.where(in_run, (8 * (channel % 4))[None, :] + (token % 8)[:, None], token[:, None])
 
 
 @triton.jit
@@ -152,25 +164,30 @@ def _decode_split_kernel(
     chunk_end = tl.minimum(split * per_split + per_split, n_chunks)
 
     # Keys: one int32 word per (group, plane, word, stored channel); channel c < C_HIGH
-    # lives in the high tensor, the others at c - C_HIGH in the low one.
+    # lives in the high tensor, the others at c - C_HIGH in the low one. Token n of a chunk
+    # is at word and bit of _key_bits (the operand order of quantize.py).
     C_LOW = D - C_HIGH
     is_high = offs_d < C_HIGH
     low_mask = (offs_d >= C_HIGH) & d_mask
-    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + offs_d
-    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + (offs_d - C_HIGH)
+    offs_n = tl.arange(0, 32)
+    high_word, high_bit = _key_bits(offs_d, C_HIGH, offs_n)
+    low_word, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n)
+    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_word
+    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_word
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
-    # Values: per token, BITS_V planes of D/32 words; channel c = 32 w + i is bit i of
-    # word w. Tiles are [tokens, words, bits] and reshaped to [tokens, channels].
+    # Values: per token, BITS_V planes of D/32 words; channel c = 32 w + i is plane bit i of
+    # word w, in the operand order of quantize.py per block of G tokens (the key group):
+    # word (p, w, i // 8, t // 4) of the block, bit 8 (t % 4) + i % 8 for its token t. Tiles are
+    # [tokens, words, bits] and reshaped to [tokens, channels].
     offs_w = tl.arange(0, BLOCK_D // 32)
     w_mask = (offs_w < D // 32)[None, :]
     offs_i = tl.arange(0, 32)
-    vc_ptrs = vc_ptr + b * s_vcb + h * s_vch + offs_w[None, :]
+    vc_base = vc_ptr + b * s_vcb + h * s_vch
     # Value groups hold GV channels (a multiple of 32): word w is in group w // (GV/32).
     v_group = (offs_w // (GV // 32))[None, :]
     vs_ptrs = v_scale_ptr + b * s_vsb + h * s_vsh + v_group
     vz_ptrs = v_zero_ptr + b * s_vzb + h * s_vzh + v_group
-    offs_n = tl.arange(0, 32)
     for chunk in range(split * per_split, chunk_end):
         group = chunk // WORDS
         word = chunk % WORDS
@@ -178,11 +195,11 @@ def _decode_split_kernel(
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
             if p < BITS_HIGH:
-                bits = tl.load(kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH, mask=is_high, other=0)
-                codes |= ((bits[None, :] >> offs_n[:, None]) & 1) << p
+                bits = tl.load(kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH, mask=is_high[None, :], other=0)
+                codes |= ((bits >> high_bit) & 1) << p
             if p < BITS_LOW:
-                bits = tl.load(kl_ptrs + ((group * BITS_LOW + p) * WORDS + word) * C_LOW, mask=low_mask, other=0)
-                codes |= ((bits[None, :] >> offs_n[:, None]) & 1) << p
+                bits = tl.load(kl_ptrs + ((group * BITS_LOW + p) * WORDS + word) * C_LOW, mask=low_mask[None, :], other=0)
+                codes |= ((bits >> low_bit) & 1) << p
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         # q . (zero + code * scale) = (q * scale) . code + q . zero; codes are exact in fp16/bf16.
@@ -192,10 +209,14 @@ def _decode_split_kernel(
         scores += tl.sum(q_stored * k_zero[None, :], 1)[:, None]
 
         token = (chunk * 32 + offs_n)[:, None]  # row of the per-token value arrays
+        within = (token % G)[:, :, None]
+        block_words = vc_base + ((token - token % G) * (BITS_V * (D // 32)))[:, :, None] + within // 4
+        bit = 8 * (within % 4) + offs_i[None, None, :] % 8
         v_codes = tl.zeros([32, BLOCK_D // 32, 32], tl.int32)
         for p in tl.static_range(BITS_V):
-            words = tl.load(vc_ptrs + (token * BITS_V + p) * (D // 32), mask=w_mask, other=0)
-            v_codes |= ((words[:, :, None] >> offs_i[None, None, :]) & 1) << p
+            column = (p * (D // 32) + offs_w)[None, :, None]
+            words = tl.load(block_words + (column * 4 + offs_i[None, None, :] // 8) * (G // 4), mask=w_mask[:, :, None], other=0)
+            v_codes |= ((words >> bit) & 1) << p
         v_scale = tl.load(vs_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
         v_zero = tl.load(vz_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
         v = v_zero[:, :, None] + v_codes.to(tl.float32) * v_scale[:, :, None]
@@ -409,7 +430,7 @@ def decode_attention_reference(
         2,
     )
     values = torch.cat(
-        [sink_values.float(), dequantize_values(value_codes, value_scale, value_zero), residual_values.float()], 2
+        [sink_values.float(), dequantize_values(value_codes, value_scale, value_zero, group_size), residual_values.float()], 2
     )
 
     def valid(capacity, length):

@@ -14,10 +14,10 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   ``scores^T [T, Hq] = planes [T tokens, D] @ (q * scale)^T``; values: ``acc^T [D, Hq] +=
   planes^T [D, T tokens] @ (p * scale)^T``. The per-channel key scale folds into q, the
   per-token value scale into p (one value group per token), the zeros into per-head offsets.
-- An A register holds four consecutive K elements of one row. After a 4 x 4 byte transpose of the
-  packed words (:data:`TRANSPOSE_ASM`, once per group, shared memory to shared memory) a word holds
-  8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j`` (:data:`BYTES_ASM`) is
-  the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads -128). The factor ``2^-j``
+- An A register holds four consecutive K elements of one row. The cache stores its words in
+  operand order (``pnmix_patch/quantize.py``: the plain words byte-transposed in runs of four), so
+  a word holds 8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j``
+  (:data:`BYTES_ASM`) is the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads -128). The factor ``2^-j``
   (``-2^-7``) is the same for all of a row's elements, so it is applied to the MMA results.
 - The B operands (``q * scale``, ``p * scale``, float32) are split into two 8-bit parts with one
   scale per query column: ``y = 127 * x / peak``, ``high = round(y)``, ``low = round(128 * (y -
@@ -40,18 +40,21 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
-  of ``STAGES`` groups in flight while one is computed: a buffer is refilled as soon as its codes
-  are transposed (the 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go
-  through registers and are stored when the group is done). Without staging the kernel waited on
-  memory: the same instructions took 1.5-2x as long.
-- Four barriers per step of a group: codes arrived; transposed words and query operands stored;
+  of ``STAGES - 1`` groups in flight while one is computed: the operands are read from the buffer
+  itself, which is refilled once every warp is done with it (the 16-bit scales and zeros, whose
+  alignment ``cp.async`` cannot assume, go through registers and are stored when the group is
+  done). Without staging the kernel waited on memory: the same instructions took 1.5-2x as long.
+  Until the cache stored its words in operand order, each group was byte-transposed from one
+  shared buffer into another (``PRMT``): 1.19-1.21x the time at batch 32 for pnmix-1
+  (``benchmarks/results/pretransposed_codes.json``).
+- Four barriers per step of a group: codes arrived; query operands stored;
   the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. (Triton's own cross-warp
   reductions take two each, and its barrier analysis adds one before writes into a buffer that
   was read since the last barrier, hence the order of the loop.)
 - Shared buffers are written one whole buffer per operation: Triton fences every write to a buffer
   that is read or written nearby with a barrier, whatever part of the buffer it touches.
-- The transposed words are read in a layout that is the A-operand layout with rows and columns
-  split as the transposed words hold them and the bit and byte-in-register dimensions dropped
+- The words are read in a layout that is the A-operand layout with rows and columns
+  split as the words hold them and the bit and byte-in-register dimensions dropped
   (``DistributedLinearLayout``);
   broadcasting back and reshaping is free (``convert_layout(..., assert_trivial=True)`` checks it
   at compile time).
@@ -81,8 +84,8 @@ WARPS = gl.constexpr(NUM_WARPS)
 DENSE_T = gl.constexpr(64)
 """Tokens per step of the full-precision parts (sinks, residual): 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
-STAGES = 2
-"""Shared buffers of key groups: ``STAGES`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
+STAGES = 3
+"""Shared buffers of key groups: ``STAGES - 1`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
 MAX_REGISTERS = 128
 """Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`);
 :data:`MAX_REGISTERS_64` for 64-token groups (:func:`register_cap`)."""
@@ -99,18 +102,22 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
         return False
     return supports_shapes(
         query.shape[-1], 32 * key_codes_high.shape[4], key_codes_high.shape[3], key_codes_low.shape[3],
-        value_codes.shape[3], value_scale.shape[-1], query.shape[1], heads,
+        value_codes.shape[3], value_scale.shape[-1], query.shape[1], heads, key_codes_high.shape[5],
     )  # fmt: skip
 
 
 def supports_shapes(head_dim: int, group_size: int, bits_high: int, bits_low: int, bits_value: int,
-                    value_scales_per_token: int, query_heads: int, heads: int) -> bool:
+                    value_scales_per_token: int, query_heads: int, heads: int, num_high: int) -> bool:
     """The shapes this kernel builds for: head dim 64 or 128, key groups of a power of two of at
     least 64 tokens, key codes of at most 4 bits, value codes of 1, 2 or 4 bits (its shared
     buffers are powers of two: 3-bit values or 192-token groups would not compile), one value
-    group per token, at most 16 query heads per KV head."""
+    group per token, at most 16 query heads per KV head, and selected channels ``num_high`` a
+    multiple of 4: the kernel copies a run of four channels' words as one operand word, and a run
+    across the selected and the other codes tensors is not stored in operand order (pnmix-2 at head
+    dim 64 selects 26 channels and goes to the Triton kernel)."""
     return (
-        head_dim in (64, 128)
+        num_high % 4 == 0
+        and head_dim in (64, 128)
         and group_size >= 64
         and group_size & (group_size - 1) == 0
         and max(bits_high, bits_low) <= 4
@@ -279,33 +286,15 @@ def operand_shared_layout(row_bytes: int, rows: int, slice_bytes: int) -> gl.Swi
     return gl.SwizzledSharedLayout(16, per_phase, max(1, min(8, row_bytes // 16, slice_bytes // 16, rows // per_phase)), [1, 0])
 
 
-def value_copy_layout(columns: int) -> gl.BlockedLayout:
-    """Layout of the value words' copy ``[columns, G]`` (word column, token): a word per thread,
-    consecutive lanes on consecutive global words (the columns of a token, then the next tokens)."""
-    lanes = min(32, columns)
-    return gl.BlockedLayout([1, 1], [lanes, 32 // lanes], [1, NUM_WARPS], [0, 1])
+def value_copy_layout(group_size: int) -> gl.BlockedLayout:
+    """Layout of the value words' copy ``[b_V * D / 32 * 4, G / 4]`` (a group's words as the cache
+    stores them, contiguous): four consecutive words per thread (one 16-byte copy), lanes along the rows."""
+    lanes = min(32, group_size // 16)
+    return gl.BlockedLayout([1, 4], [32 // lanes, lanes], [NUM_WARPS, 1], [1, 0])
 
 
-TRANSPOSE_ASM = gl.constexpr(
-    """{
-.reg .b32 x0, x1, y0, y1;
-prmt.b32 x0, $4, $5, 0x5140;
-prmt.b32 x1, $4, $5, 0x7362;
-prmt.b32 y0, $6, $7, 0x5140;
-prmt.b32 y1, $6, $7, 0x7362;
-prmt.b32 $0, x0, y0, 0x5410;
-prmt.b32 $1, x0, y0, 0x7632;
-prmt.b32 $2, x1, y1, 0x5410;
-prmt.b32 $3, x1, y1, 0x7632;
-}"""
-)
-"""PTX of the 4 x 4 byte transpose of four words ``$4..$7`` into ``$0..$3``: word ``b`` holds byte ``b``
-of each, input word i in byte i. Keys: the inputs are channels 4q .. 4q + 3 (32 tokens each), so
-word b holds tokens 8b .. 8b + 7; values: tokens 4tq .. 4tq + 3 (32 channels each), word b
-channels 8b .. 8b + 7."""
-TRANSPOSE_CONSTRAINTS = gl.constexpr(",".join(["=r"] * 4 + ["r"] * 4))
 BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
-"""PTX of one register of an 8-bit operand: a transposed word ANDed with ``0x01010101 << j``
+"""PTX of one register of an 8-bit operand: a word in operand order ANDed with ``0x01010101 << j``
 (``$1..$4`` are the word, ``$5..$8`` the mask, four times each: one per byte of the result)."""
 BYTES_CONSTRAINTS = gl.constexpr(",".join(["=r"] + ["r"] * 8))
 
@@ -367,7 +356,7 @@ def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_H
     per program: the key words ``[PLANES * G / 32, D / 4, 4]`` (row p * G / 32 + w: word row w of
     plane p; channel 4q + i at ``[q, i]``, stored channel order) as offsets into the high or the low
     codes (``is_high``), ``present`` where the channel has the plane (zeros elsewhere, and in the
-    padding planes); the value words transposed ``[b_V * D / 32, G]`` (one word per copy)."""
+    padding planes); the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
     WORDS: gl.constexpr = G // 32
     row = gl.expand_dims(gl.expand_dims(gl.arange(0, PLANES * WORDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
     quad = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
@@ -378,9 +367,9 @@ def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_H
     key_offsets = gl.where(is_high, (plane * WORDS + row % WORDS) * C_HIGH + channel,
                            (plane * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH))
     present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW)
-    column = gl.expand_dims(gl.arange(0, BITS_V * (D // 32), layout=gl.SliceLayout(1, COPY_VALUES)), 1)
-    token = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
-    return is_high, key_offsets, present, token * (BITS_V * (D // 32)) + column
+    value_row = gl.expand_dims(gl.arange(0, BITS_V * (D // 32) * 4, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
+    quad = gl.expand_dims(gl.arange(0, G // 4, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
+    return is_high, key_offsets, present, value_row * (G // 4) + quad
 
 
 @gluon.jit
@@ -389,37 +378,15 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
                       BITS_LOW: gl.constexpr, BITS_V: gl.constexpr):
     """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
     bases; ``offsets``: :func:`_copy_offsets`) into ``stage`` of the shared buffers: the key words
-    and the value words transposed (the value buffer swizzled so that neither these writes nor the
-    16-byte reads of four tokens conflict). Nothing is read when not ``valid`` (a group past this
-    split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
+    (runs of four channels' words, each a run of operand words) and the value words (the group's,
+    in operand order). Nothing is read when not ``valid`` (a group past this split's end). One
+    copy per buffer: copies into one buffer are each fenced by a barrier."""
     is_high, key_offsets, present, value_offsets = offsets
     WORDS: gl.constexpr = G // 32
     key_base = gl.where(is_high, kc_high + group * (BITS_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * (D - C_HIGH)))
     async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & valid)
     async_copy.async_copy_global_to_shared(value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets,
                                            mask=valid)
-
-
-@gluon.jit
-def _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS: gl.constexpr):
-    """Byte-transpose the key words of ``stage`` into ``key_bytes_smem`` (:data:`TRANSPOSE_ASM`): row
-    p * G / 32 + w, ``[q, b]`` holds tokens 32w + 8b .. 32w + 8b + 7 (bit j: token 32w + 8b + j) of
-    channels 4q .. 4q + 3 (byte i: channel 4q + i) of plane p, four 8-bit key operand elements."""
-    words = key_smem.index(stage).load(COPY_KEYS)
-    key_bytes_smem.store(gl.inline_asm_elementwise(TRANSPOSE_ASM, TRANSPOSE_CONSTRAINTS, [words], gl.int32, True, 4))
-
-
-@gluon.jit
-def _transpose_value_words(value_bytes_smem, value_smem, stage, COLUMNS: gl.constexpr, G: gl.constexpr,
-                           VALUE_TRANSPOSE: gl.constexpr):
-    """Byte-transpose the value words of ``stage`` (``[COLUMNS, G]``: column p * D / 32 + w holds
-    channels 32w .. 32w + 31 of plane p) into ``value_bytes_smem`` ``[COLUMNS * 4, G / 4]``: row
-    4 * column + b, column tq holds byte b (channels 8b .. 8b + 7 of the column, bit j: channel
-    8b + j) of tokens 4tq .. 4tq + 3 (byte i: token 4tq + i), four 8-bit value operand elements."""
-    words = value_smem.index(stage).load(VALUE_TRANSPOSE)  # 4 tokens per thread
-    words = gl.inline_asm_elementwise(TRANSPOSE_ASM, TRANSPOSE_CONSTRAINTS, [words], gl.int32, True, 4)
-    words = gl.reshape(gl.permute(gl.reshape(words, [COLUMNS, G // 4, 4]), [0, 2, 1]), [COLUMNS * 4, G // 4])
-    value_bytes_smem.store(words)
 
 
 @gluon.jit
@@ -567,7 +534,7 @@ def _decode_split_kernel_mma(
     W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, SCORE_PLANES: gl.constexpr,
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
     KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
-    VALUE_BYTES: gl.constexpr, VALUE_TRANSPOSE: gl.constexpr,
+    VALUE_BYTES: gl.constexpr,
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
@@ -612,18 +579,16 @@ def _decode_split_kernel_mma(
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Shared buffers: STAGES stages of key groups (STAGES copies in flight), transposed into the operand layouts.
+    # Shared buffers: STAGES stages of key groups (STAGES - 1 copies in flight, one stage read as operands).
     # (Buffers are indexed along their first dim; the layouts describe the rest.)
     SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     scale_dtype: gl.constexpr = k_scale_ptr.dtype.element_ty
     SHARED_3D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)
-    key_bytes_smem = gl.allocate_shared_memory(gl.int32, [KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)  # transposed
     key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, D], SHARED_2D)  # [stage, 0]: scales, [stage, 1]: zeros
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
-    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS, G], gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))
-    value_bytes_smem = gl.allocate_shared_memory(gl.int32, [V_COLUMNS * 4, G // 4], SHARED_2D)  # transposed
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS * 4, G // 4], SHARED_2D)
     # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step
     # (both parts in p_high_smem when PAIRED).
     p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
@@ -685,23 +650,29 @@ def _decode_split_kernel_mma(
 
     group_start = split * per_split
     copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(STAGES - 1):
         _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
                           v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
         async_copy.commit_group()
+    for i in gl.static_range(STAGES):
         params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
                                     D, G, PARAMS_D, PARAMS_G)  # fmt: skip
         _store_group_params(key_param_smem, value_param_smem, i, params)
     for group in range(group_start, group_end):
-        # Wait for this group's codes (the next STAGES - 1 groups' copies stay in flight); the
-        # barrier also ends the last iteration's reads of the transposed words and operands.
-        async_copy.wait_group(STAGES - 1)
+        # Wait for this group's codes (the next STAGES - 2 groups' copies stay in flight); the
+        # barrier also ends the last iteration's reads of its stage's words and of the operands.
+        async_copy.wait_group(STAGES - 2)
         _barrier()
         stage = (group - group_start) % STAGES
+        # Every warp is done with the last group's stage: refill it with group + STAGES - 1.
+        ahead = group + STAGES - 1
+        _copy_group_codes(key_smem, value_smem, (ahead - group_start) % STAGES, ahead, ahead < group_end, kc_high, kc_low,
+                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
+        async_copy.commit_group()
+        key_words = key_smem.index(stage)
+        value_words = value_smem.index(stage)
         # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of
         # one scale per column (its largest |q * scale| is 127).
-        _transpose_key_words(key_bytes_smem, key_smem, stage, COPY_KEYS)
-        _transpose_value_words(value_bytes_smem, value_smem, stage, V_COLUMNS, G, VALUE_TRANSPOSE)
         # This stage's scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
         key_params = key_param_smem.index(stage).reshape([2 * D])
         value_params = value_param_smem.index(stage).reshape([2 * G])
@@ -735,13 +706,10 @@ def _decode_split_kernel_mma(
         column_scale = peak * (1.0 / (127.0 * 128.0))
         column_scale_smem.store(column_scale)
         column_offset_smem.store(k_offset)
-        _barrier()  # the transposed words, the query operands and the column factors are in shared memory
-        # This stage's codes are transposed: start reading group + STAGES into it (its scales and
-        # zeros wait in registers until this group is done with the stage's).
+        _barrier()  # the query operands and the column factors are in shared memory
+        # Start reading the scales and zeros of group + STAGES (they wait in registers until this
+        # group is done with the stage's).
         ahead = group + STAGES
-        _copy_group_codes(key_smem, value_smem, stage, ahead, ahead < group_end, kc_high, kc_low,
-                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
-        async_copy.commit_group()
         params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
         key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
         k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, SCORES)), 0)
@@ -765,10 +733,10 @@ def _decode_split_kernel_mma(
                     if not PAIRED:
                         low = low * 2
                 if W_HIGH > 0 and key_plane < PLANES_HIGH:
-                    high, low = _key_plane_scores(high, low, key_bytes_smem, query_hh, query_hl, key_plane * WORDS + step * (T // 32),
+                    high, low = _key_plane_scores(high, low, key_words, query_hh, query_hl, key_plane * WORDS + step * (T // 32),
                                                   key_mask, 0, W_HIGH, T, A8, KEY_BYTES_HIGH, PAIRED)
                 if W_LOW > 0 and key_plane < BITS_LOW:
-                    high, low = _key_plane_scores(high, low, key_bytes_smem, query_lh, query_ll, key_plane * WORDS + step * (T // 32),
+                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, key_plane * WORDS + step * (T // 32),
                                                   key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, PAIRED)
             # 128 * high + low in float32 (the integer sums with 4-bit codes would pass int32 times 128).
             if PAIRED:
@@ -804,7 +772,7 @@ def _decode_split_kernel_mma(
                     if not PAIRED:
                         v_low = v_low * 2
                 # [channel byte, token quad] -> broadcast over (bit, token within the quad) -> [D, T]: no data moves.
-                words = value_bytes_smem.slice(value_plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
+                words = value_words.slice(value_plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
                 words = gl.expand_dims(gl.expand_dims(words, 1), 3)
                 words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 8, 8, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
                                           A8, assert_trivial=True)
@@ -847,8 +815,9 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     (``group_size`` is not used by this rule; earlier rules did, and the callers pass it).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    142, three programs per multiprocessor) and ``STAGES`` = 2 (two groups' copies in flight; with
-    3 the shared memory of four programs did not fit). Its instructions depend on shared-memory loads
+    142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
+    the third stage is read; the shared memory of the earlier two stages and their byte-transposed
+    copy, which four programs fit, and of a fourth stage would not). Its instructions depend on shared-memory loads
     closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
     fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
     ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers
@@ -889,10 +858,9 @@ def kernel_constants(
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
         SCORE_PLANES=score_planes,
         STAGES=stages,
-        COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(bits_value * head_dim // 32),
+        COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(group_size),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),
-        VALUE_TRANSPOSE=gl.BlockedLayout([1, 4], [32 // min(32, group_size // 4), min(32, group_size // 4)], [NUM_WARPS, 1], [1, 0]),
         PARAMS_D=params, PARAMS_G=params,
         GROUP_PER_WARP=gl.BlockedLayout([group_size // 32], [32], [NUM_WARPS], [0]),  # the group's token scales in every warp
         PARTIALS=partials_layout(query_rows, paired),
@@ -918,6 +886,8 @@ def mma_decode_attention(
     ``max_registers`` (per thread, Triton's ``maxnreg``; ``"auto"``: :func:`register_cap`; None: the
     compiler's choice) and ``stages`` (shared buffers of key groups) are for benchmarks that sweep them.
     """
+    if stages < 2:
+        raise ValueError(f"stages must be at least 2 (one stage read while the next is copied), got {stages}")
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]

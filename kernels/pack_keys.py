@@ -11,7 +11,12 @@ selected-pair channels first), so stored channel ``c`` is high-bit iff
 
 1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
 2. codes from the *stored* scale/zero, then for each bit plane ``p`` one int32 word
-   per channel: bit ``t`` of the word is bit ``p`` of token ``32 * w + t``'s code.
+   per channel: bit ``t`` of the word is bit ``p`` of token ``32 * w + t``'s code; the
+   words of each run of four channels of a codes tensor byte-transposed (the operand
+   order of ``quantize.py``).
+
+The selected and the other channels are two passes of :func:`_pack_key_channels`, each
+over its own codes tensor (so runs of four start at its channel 0 whatever ``C_hi``).
 
 Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H, G/32, C_hi]``,
 ``codes_low [B, H, groups, b_L, G/32, C_lo]``, ``scale/zero [B, H, groups, D]``.
@@ -30,7 +35,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, scale_dtype_for
 
-from .common import encode, minmax_scale_zero, nonempty
+from .common import encode, minmax_scale_zero, nonempty, transpose_byte_quads
 
 
 @triton.jit
@@ -42,51 +47,67 @@ def pack_key_group(
 ):
     """Quantize token group ``group`` of one (sequence, KV head) into group slot
     ``group_out``. The pointers are that head's bases."""
+    if NUM_HIGH > 0:
+        _pack_key_channels(keys_ptr, order_ptr, high_ptr, scale_ptr, zero_ptr, group, group_out,
+                           s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_sg, s_sd,
+                           0, NUM_HIGH, BLOCK_D, G, BITS_HIGH, MIDPOINT)  # fmt: skip
+    if NUM_HIGH < D:
+        _pack_key_channels(keys_ptr, order_ptr, low_ptr, scale_ptr, zero_ptr, group, group_out,
+                           s_kt, s_kd, s_od, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
+                           NUM_HIGH, D - NUM_HIGH, BLOCK_D, G, BITS_LOW, MIDPOINT)  # fmt: skip
+
+
+@triton.jit
+def _pack_key_channels(
+    keys_ptr, order_ptr, codes_ptr, scale_ptr, zero_ptr, group, group_out,
+    s_kt, s_kd, s_od, s_cg, s_cp, s_cw, s_cc, s_sg, s_sd,
+    FIRST: tl.constexpr, COUNT: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr,
+):
+    """One part of :func:`pack_key_group`: stored channels ``FIRST .. FIRST + COUNT`` (the selected
+    or the other ones), channel ``c`` of its codes tensor being stored channel ``FIRST + c``, at
+    ``BITS`` bits. A part has its own tensor, whose runs of four channels are in operand order."""
     words: tl.constexpr = G // 32
-    offs_d = tl.arange(0, BLOCK_D)  # stored channel index
-    d_mask = offs_d < D
-    is_high = offs_d < NUM_HIGH
+    offs_c = tl.arange(0, BLOCK_C)  # channel of the part
+    c_mask = offs_c < COUNT
     offs_t = tl.arange(0, 32)  # token within a 32-token word
 
-    # Stored channel c reads original channel order[c].
-    order = tl.load(order_ptr + offs_d * s_od, mask=d_mask, other=0)
+    # Stored channel FIRST + c reads original channel order[FIRST + c].
+    order = tl.load(order_ptr + (FIRST + offs_c) * s_od, mask=c_mask, other=0)
     row_ptrs = keys_ptr + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
 
     # Pass 1: per-channel statistics over the group.
-    low = tl.full([BLOCK_D], float("inf"), tl.float32)
-    high = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    nonfinite = tl.zeros([BLOCK_D], tl.int32)
+    low = tl.full([BLOCK_C], float("inf"), tl.float32)
+    high = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    nonfinite = tl.zeros([BLOCK_C], tl.int32)
     for w in range(words):
-        x = tl.load(row_ptrs + w * 32 * s_kt, mask=d_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
         low = tl.minimum(low, tl.min(x, 0))
         high = tl.maximum(high, tl.max(x, 0))
         nonfinite += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 0)
 
-    levels = tl.where(is_high, 2**BITS_HIGH - 1, 2**BITS_LOW - 1).to(tl.float32)
+    levels = tl.full([BLOCK_C], 2**BITS - 1, tl.float32)
     scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
-    param_offs = group_out * s_sg + offs_d * s_sd
+    param_offs = group_out * s_sg + (FIRST + offs_c) * s_sd
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
-    tl.store(scale_ptr + param_offs, scale, mask=d_mask)
-    tl.store(zero_ptr + param_offs, zero, mask=d_mask)
+    tl.store(scale_ptr + param_offs, scale, mask=c_mask)
+    tl.store(zero_ptr + param_offs, zero, mask=c_mask)
     scale = scale.to(tl.float32)
     zero = zero.to(tl.float32)
 
-    # Pass 2: encode and pack one 32-token word per channel and bit plane.
-    high_base = high_ptr + group_out * s_hg + offs_d * s_hc
-    low_base = low_ptr + group_out * s_lg + (offs_d - NUM_HIGH) * s_lc
-    high_mask = is_high
-    low_mask = (offs_d >= NUM_HIGH) & d_mask
+    # Pass 2: encode and pack one 32-token word per channel and bit plane; the words of each run
+    # of four channels byte-transposed (operand order), a last run of fewer kept plain.
+    codes_base = codes_ptr + group_out * s_cg + offs_c * s_cc
+    in_run = offs_c < 4 * (COUNT // 4)
     for w in range(words):
-        x = tl.load(row_ptrs + w * 32 * s_kt, mask=d_mask[None, :], other=0.0).to(tl.float32)
+        x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
         codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
-        for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
+        for p in tl.static_range(BITS):
             # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
             word = tl.sum(((codes >> p) & 1) << offs_t[:, None], 0)
-            if p < BITS_HIGH:
-                tl.store(high_base + p * s_hp + w * s_hw, word, mask=high_mask)
-            if p < BITS_LOW:
-                tl.store(low_base + p * s_lp + w * s_lw, word, mask=low_mask)
+            word = tl.where(in_run, transpose_byte_quads(word), word)
+            tl.store(codes_base + p * s_cp + w * s_cw, word, mask=c_mask)
 
 
 @triton.jit

@@ -323,7 +323,7 @@ class PNMixLayer(CacheLayerMixin):
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
         codes_high, codes_low, key_scale, key_zero, group_masks = self._pack_key_groups(block_k, rows)
-        value_codes, value_scale, value_zero = pack_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction)
+        value_codes, value_scale, value_zero = pack_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction, group)
 
         new_groups = counts[rows] // group
         self._reserve_groups(int((self.num_groups[rows] + new_groups).max()))
@@ -407,7 +407,7 @@ class PNMixLayer(CacheLayerMixin):
             empty = torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
             return empty, empty
         keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.stored_channel_mask)
-        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero)
+        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero, self.config.key_group_size)
         return keys, values
 
     def memory_bytes(self) -> dict[str, int]:

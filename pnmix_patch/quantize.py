@@ -49,6 +49,28 @@ value scale / zero     ``[B, H, groups*G, D/Gv]``                 16-bit
 
 Keys are packed along tokens (quantized per channel), values along channels
 (quantized per token), so a 32-token tile of keys is one row of words.
+
+Operand order: the words are then rearranged, without changing what they hold, into
+the order the CUDA decode kernel (``kernels/decode_attention_mma.py``) makes its 8-bit
+tensor-core operands from, so that it copies them and reads them as they are instead
+of byte-transposing every group in shared memory (1.19-1.21x faster at batch 32 on an
+H200, ``benchmarks/results/pretransposed_codes.json``). Both are 4 x 4 byte transposes
+(:func:`transpose_byte_quads`: in a run of four words, word ``b``'s byte ``i`` is byte
+``b`` of word ``i``):
+
+- keys (:func:`keys_to_operand_order`): in each codes tensor, the words of four
+  consecutive stored channels ``4q .. 4q + 3`` (same plane and word row) are transposed:
+  bit ``8i + j`` of word ``4q + b`` is token ``32w + 8b + j`` of channel ``4q + i``. When
+  the tensor's channel count is not a multiple of 4, its last ``C % 4`` words stay plain;
+- values (:func:`values_to_operand_order`), per block of ``token_block`` tokens (the key
+  group size ``G``): the words of four consecutive tokens ``4tq .. 4tq + 3`` (same plane
+  and word) are transposed, and the block's ``[G, b_V, D/32]`` words are stored as
+  ``[b_V, D/32, 4, G/4]``: bit ``8i + j`` of word ``(p, w, b, tq)`` is plane ``p`` of
+  channel ``32w + 8b + j`` of token ``4tq + i``. A last block of fewer than ``G`` tokens
+  stays plain.
+
+A reader that wants plain words applies the inverse (:func:`keys_from_operand_order`,
+:func:`values_from_operand_order`); the unpacking functions below do.
 """
 
 from __future__ import annotations
@@ -118,6 +140,52 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     return codes.reshape(*packed.shape[:-2], words * WORD_BITS)
 
 
+def transpose_byte_quads(words: torch.Tensor, dim: int) -> torch.Tensor:
+    """``words`` (int32) with each run of four consecutive words along ``dim`` byte-transposed
+    (word ``b``'s byte ``i`` becomes byte ``b`` of word ``i``; its own inverse). The last
+    ``n % 4`` words along ``dim`` stay as they are."""
+    words = words.movedim(dim, -1)
+    full = words.shape[-1] - words.shape[-1] % 4
+    if full and words.numel():
+        quads = words[..., :full].contiguous().view(torch.uint8).unflatten(-1, (full // 4, 4, 4))
+        words = torch.cat([quads.transpose(-1, -2).contiguous().flatten(-3).view(torch.int32), words[..., full:]], -1)
+    return words.movedim(-1, dim).contiguous()
+
+
+def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
+    """Key words ``[..., C]`` (plain: word c holds channel c) in operand order (module docstring)."""
+    return transpose_byte_quads(codes, -1)
+
+
+keys_from_operand_order = keys_to_operand_order  # a transpose is its own inverse
+
+
+def _check_token_block(token_block: int) -> None:
+    if token_block <= 0 or token_block % 4:
+        raise ValueError(f"token_block must be a positive multiple of 4 (the key group size), got {token_block}")
+
+
+def values_to_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tensor:
+    """Value words ``[B, H, T, b_V, D/32]`` (plain: per token) in operand order, per block of
+    ``token_block`` tokens (module docstring)."""
+    _check_token_block(token_block)
+    *lead, tokens, bits, words = codes.shape
+    full = tokens - tokens % token_block
+    blocks = transpose_byte_quads(codes[..., :full, :, :], -3).reshape(*lead, full // token_block, token_block // 4, 4, bits, words)
+    blocks = blocks.movedim((-4, -3), (-1, -2))  # [.., block, block / 4, 4, bits, words] -> [.., block, bits, words, 4, block / 4]
+    return torch.cat([blocks.reshape(*lead, full, bits, words), codes[..., full:, :, :]], -3)
+
+
+def values_from_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tensor:
+    """Inverse of :func:`values_to_operand_order`."""
+    _check_token_block(token_block)
+    *lead, tokens, bits, words = codes.shape
+    full = tokens - tokens % token_block
+    blocks = codes[..., :full, :, :].reshape(*lead, full // token_block, bits, words, 4, token_block // 4)
+    blocks = blocks.movedim((-1, -2), (-4, -3)).reshape(*lead, full, bits, words)
+    return torch.cat([transpose_byte_quads(blocks, -3), codes[..., full:, :, :]], -3)
+
+
 def channel_order(channel_mask: torch.Tensor) -> torch.Tensor:
     """Storage order of a head's channels: selected channels first, each part ascending.
 
@@ -157,7 +225,7 @@ def quantize_keys(
         scale, zero = minmax_params(part, bits, 3, midpoint_correction, scale_dtype)
         # Pack along tokens: move G last, pack, then put channels innermost.
         part_codes = encode(part, scale, zero, bits).transpose(-1, -2)
-        codes.append(pack_bits(part_codes, bits).permute(0, 1, 2, 4, 5, 3).contiguous())
+        codes.append(keys_to_operand_order(pack_bits(part_codes, bits).permute(0, 1, 2, 4, 5, 3)))
         scales.append(scale.squeeze(3))
         zeros.append(zero.squeeze(3))
     return codes[0], codes[1], torch.cat(scales, -1), torch.cat(zeros, -1)
@@ -182,7 +250,7 @@ def dequantize_keys(
         (codes_low, scale[..., num_high:], zero[..., num_high:]),
     ):
         # [B, H, n, bits, G/32, C] -> codes [B, H, n, C, G] -> [B, H, n, G, C]
-        unpacked = unpack_bits(codes.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2)
+        unpacked = unpack_bits(keys_from_operand_order(codes).permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2)
         parts.append(decode(unpacked, part_scale.unsqueeze(3), part_zero.unsqueeze(3)))
     stored = torch.cat(parts, -1)
     batch, heads, groups, group_size, head_dim = stored.shape
@@ -195,22 +263,23 @@ def dequantize_keys(
 
 
 def quantize_values(
-    values: torch.Tensor, bits: int, group_size: int, midpoint_correction: bool
+    values: torch.Tensor, bits: int, group_size: int, midpoint_correction: bool, token_block: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize values per token over groups of ``group_size`` channels.
 
-    ``values [B, H, T, D]`` -> ``(codes [B, H, T, bits, D/32], scale [B, H, T, D/Gv], zero)``.
+    ``values [B, H, T, D]`` -> ``(codes [B, H, T, bits, D/32], scale [B, H, T, D/Gv], zero)``,
+    the codes in operand order per block of ``token_block`` tokens (the key group size).
     """
     batch, heads, tokens, head_dim = values.shape
     grouped = values.reshape(batch, heads, tokens, head_dim // group_size, group_size)
     scale, zero = minmax_params(grouped, bits, -1, midpoint_correction, scale_dtype_for(values.dtype))
     codes = encode(grouped, scale, zero, bits).reshape(batch, heads, tokens, head_dim)
-    return pack_bits(codes, bits), scale.squeeze(-1), zero.squeeze(-1)
+    return values_to_operand_order(pack_bits(codes, bits), token_block), scale.squeeze(-1), zero.squeeze(-1)
 
 
-def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Float32 values ``[B, H, T, D]`` from :func:`quantize_values` output."""
-    unpacked = unpack_bits(codes)
+def dequantize_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, token_block: int) -> torch.Tensor:
+    """Float32 values ``[B, H, T, D]`` from :func:`quantize_values` output (same ``token_block``)."""
+    unpacked = unpack_bits(values_from_operand_order(codes, token_block))
     batch, heads, tokens, head_dim = unpacked.shape
     groups = scale.shape[-1]
     grouped = unpacked.reshape(batch, heads, tokens, groups, head_dim // groups)

@@ -13,12 +13,17 @@ from pnmix_patch.quantize import (
     dequantize_keys,
     dequantize_values,
     encode,
+    keys_from_operand_order,
+    keys_to_operand_order,
     minmax_params,
     pack_bits,
     quantize_keys,
     quantize_values,
     scale_dtype_for,
+    transpose_byte_quads,
     unpack_bits,
+    values_from_operand_order,
+    values_to_operand_order,
 )
 
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None)
@@ -193,6 +198,69 @@ def test_pack_bits_rejects_bad_length(n):
     assert str(n) in str(info.value) and "multiple of 32" in str(info.value)
 
 
+# ---------------------------------------------------------------- operand order
+
+
+def random_words(*shape, seed=0):
+    return torch.randint(-(2**31), 2**31, shape, generator=torch.Generator().manual_seed(seed), dtype=torch.int64).to(torch.int32)
+
+
+def bit(word, position) -> int:
+    return (int(word) >> position) & 1
+
+
+def test_transpose_byte_quads_known_words():
+    words = torch.tensor([0x03020100, 0x13121110, 0x23222120, 0x33323130, 0x7F], dtype=torch.int32)
+    out = transpose_byte_quads(words, 0)
+    assert out.tolist() == [0x30201000, 0x31211101, 0x32221202, 0x33231303, 0x7F]  # the fifth word: a run of one, plain
+    assert torch.equal(transpose_byte_quads(out, 0), words)
+
+
+@pytest.mark.parametrize("channels", [64, 26, 4, 2, 0])
+def test_keys_in_operand_order_hold_the_documented_bits(channels):
+    plain = random_words(2, 3, 2, channels, seed=channels)  # [groups, planes, word rows, C]
+    ordered = keys_to_operand_order(plain)
+    runs = 4 * (channels // 4)
+    for c in range(channels):
+        for t in range(0, 32, 3):
+            if c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
+                got = bit(ordered[1, 2, 1, 4 * (c // 4) + t // 8], 8 * (c % 4) + t % 8)
+            else:
+                got = bit(ordered[1, 2, 1, c], t)
+            assert got == bit(plain[1, 2, 1, c], t)
+    assert torch.equal(keys_from_operand_order(ordered), plain)
+
+
+@pytest.mark.parametrize("tokens, block", [(64, 32), (70, 32), (20, 8), (3, 8)])
+def test_values_in_operand_order_hold_the_documented_bits(tokens, block):
+    bits, words = 2, 2
+    plain = random_words(1, 2, tokens, bits, words, seed=tokens)
+    ordered = values_to_operand_order(plain, block)
+    assert ordered.shape == plain.shape
+    flat = ordered[0, 1].reshape(-1)
+    full = tokens - tokens % block
+    for t in range(tokens):
+        for p in range(bits):
+            for w in range(words):
+                for channel in range(0, 32, 5):
+                    if t < full:  # bit 8i + j of word (p, w, b, tq) of the block is channel 32w + 8b + j of token 4tq + i
+                        within = t % block
+                        index = (t - within) * bits * words + ((p * words + w) * 4 + channel // 8) * (block // 4) + within // 4
+                        got = bit(flat[index], 8 * (within % 4) + channel % 8)
+                    else:
+                        got = bit(ordered[0, 1, t, p, w], channel)
+                    assert got == bit(plain[0, 1, t, p, w], channel)
+    assert torch.equal(values_from_operand_order(ordered, block), plain)
+
+
+@pytest.mark.parametrize("block", [0, 6, -4])
+def test_values_operand_order_rejects_a_bad_token_block(block):
+    with pytest.raises(ValueError, match=f"multiple of 4.*got {block}"):
+        values_to_operand_order(random_words(1, 1, 8, 1, 1), block)
+    with pytest.raises(ValueError, match=f"multiple of 4.*got {block}"):
+        quantize_values(torch.zeros(1, 1, 8, 32), 2, 32, True, block)
+
+
 # ---------------------------------------------------------------- keys
 
 
@@ -261,10 +329,11 @@ def test_quantize_keys_matches_reference(num_high, bits_high, bits_low, midpoint
     order = channel_order(mask)[:, :, None, :].expand(-1, -1, groups, -1)
     torch.testing.assert_close(scale.float(), ref_scale.gather(-1, order), rtol=0, atol=0)
     torch.testing.assert_close(zero.float(), ref_zero.gather(-1, order), rtol=0, atol=0)
-    # packed layout: [B, H, groups, bits, G/32, C], bit planes along tokens, stored channel order
+    # packed layout: [B, H, groups, bits, G/32, C], bit planes along tokens, stored channel order, operand order
     stored_codes = ref_codes.gather(-1, order[:, :, :, None, :].expand(-1, -1, -1, group, -1))
     for packed, part in ((codes_high, stored_codes[..., :num_high]), (codes_low, stored_codes[..., num_high:])):
-        assert torch.equal(unpack_bits(packed.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2), part)
+        plain = keys_from_operand_order(packed)
+        assert torch.equal(unpack_bits(plain.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2), part)
 
 
 def test_dequantize_keys_with_a_mask_per_group():
@@ -357,10 +426,10 @@ def test_quantize_keys_non_finite_group_reads_nan(bad, selected):
 def test_quantize_values_round_trip(bits, midpoint, group, seed, spread):
     gen = torch.Generator().manual_seed(seed)
     values = torch.randn(2, 2, 5, 128, generator=gen) * spread + torch.randn(2, 2, 5, 1, generator=gen)
-    codes, scale, zero = quantize_values(values, bits, group, midpoint)
+    codes, scale, zero = quantize_values(values, bits, group, midpoint, 4)  # 5 tokens: a block of 4 and one left
     assert codes.shape == (2, 2, 5, bits, 4) and codes.dtype == torch.int32
     assert scale.shape == zero.shape == (2, 2, 5, 128 // group) and scale.dtype == torch.float16
-    out = dequantize_values(codes, scale, zero)
+    out = dequantize_values(codes, scale, zero, 4)
     assert out.shape == values.shape
 
     grouped = values.reshape(2, 2, 5, 128 // group, group)
@@ -377,10 +446,10 @@ def test_quantize_values_round_trip(bits, midpoint, group, seed, spread):
 
 def test_quantize_values_two_bit_known_codes():
     values = torch.tensor([0.0, 1.0, 2.0, 3.0] * 8 + [10.0] * 32).view(1, 1, 1, 64)
-    codes, scale, zero = quantize_values(values, 2, 32, True)
+    codes, scale, zero = quantize_values(values, 2, 32, True, 4)  # one token: plain words
     assert scale.tolist() == [[[[1.0, 0.0]]]] and zero.tolist() == [[[[0.0, 10.0]]]]
     assert unpack_bits(codes).flatten().tolist() == [0, 1, 2, 3] * 8 + [0] * 32
-    assert torch.equal(dequantize_values(codes, scale, zero), values)
+    assert torch.equal(dequantize_values(codes, scale, zero, 4), values)
 
 
 @pytest.mark.parametrize("midpoint", [True, False])
@@ -388,7 +457,7 @@ def test_quantize_values_constant_token_group_exact(midpoint):
     values = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(6))
     values[0, 1, 2, 32:] = 0.625
     values[0, 0, 0, :32] = 0.0
-    out = dequantize_values(*quantize_values(values, 1, 32, midpoint))
+    out = dequantize_values(*quantize_values(values, 1, 32, midpoint, 4), 4)
     assert torch.isfinite(out).all()
     assert torch.equal(out[0, 1, 2, 32:], values[0, 1, 2, 32:])
     assert torch.equal(out[0, 0, 0, :32], values[0, 0, 0, :32])
@@ -398,7 +467,7 @@ def test_quantize_values_constant_token_group_exact(midpoint):
 def test_quantize_values_non_finite_group_reads_nan(bad):
     values = torch.randn(2, 2, 4, 64, generator=torch.Generator().manual_seed(7))
     values[1, 0, 2, 40] = bad
-    out = dequantize_values(*quantize_values(values, 2, 32, True))
+    out = dequantize_values(*quantize_values(values, 2, 32, True, 4), 4)
     nan = torch.zeros_like(out, dtype=torch.bool)
     nan[1, 0, 2, 32:] = True
     assert torch.isnan(out[nan]).all()
@@ -407,8 +476,8 @@ def test_quantize_values_non_finite_group_reads_nan(bad):
 
 def test_quantize_values_bf16_scale_dtype():
     values = torch.randn(1, 1, 2, 64, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
-    codes, scale, zero = quantize_values(values, 2, 64, True)
+    codes, scale, zero = quantize_values(values, 2, 64, True, 4)
     assert scale.dtype == zero.dtype == torch.bfloat16
-    out = dequantize_values(codes, scale, zero)
+    out = dequantize_values(codes, scale, zero, 4)
     value_range = (values.float().amax(-1, keepdim=True) - values.float().amin(-1, keepdim=True))
     assert ((out - values.float()).abs() <= value_range / 6 + 2**-7 * (value_range + values.float().abs().amax())).all()

@@ -80,7 +80,7 @@ def decode_inputs(
     keys = randn(batch, heads, group_cap * group, head_dim) * (1 + 3 * torch.rand(head_dim, generator=generator))
     values = randn(batch, heads, group_cap * group, head_dim)
     packed_keys = quantize_keys(keys.to(dtype), mask_of(order, high), high, group, bits_high, bits_low, True)
-    packed_values = quantize_values(values.to(dtype), value_bits, value_group or head_dim, True)
+    packed_values = quantize_values(values.to(dtype), value_bits, value_group or head_dim, True, group)
     lengths = [torch.tensor(x, dtype=torch.int32) for x in (sink_len, num_groups, residual_len)]
     for tensor in packed_keys[2:]:  # key scale/zero of unused groups
         for b, n in enumerate(num_groups):

@@ -101,6 +101,17 @@ def test_no_sinks_and_no_packed_storage():
     assert unquantized[8].tolist() == [160, 10] and unquantized[17].tolist() == [True, True]
 
 
+def test_value_codes_not_contiguous_below_the_head_are_refused():
+    """The flush writes a group's value words by offset (operand order): strided codes would be
+    written wrong, so the launch refuses them, naming the strides."""
+    args = static_state(
+        seeded(), "pnmix-1", 64, torch.float16, sink_len=[4], residual_len=[3], num_groups=[0], sink_cap=4, residual_cap=128, group_cap=2,
+    )  # fmt: skip
+    args[13] = args[13].transpose(3, 4).contiguous().transpose(3, 4)  # value codes [.., tokens, planes, words], planes innermost
+    with pytest.raises(ValueError, match=r"value_codes must be contiguous below the head dim.*strides"):
+        triton_decode_append(*args)
+
+
 def test_decode_append_op():
     args = static_state(
         seeded(), "pnmix-2", 64, torch.float16, sink_len=[3, 8], residual_len=[0, 128], num_groups=[0, 2],

@@ -153,8 +153,8 @@ def test_reference_matches_naive_attention():
     (query, order, sink_k, sink_v, sink_len, k_high, k_low, k_scale, k_zero,
      v_codes, v_scale, v_zero, num_groups, res_k, res_v, res_len, scaling) = args  # fmt: skip
     keys = dequantize_keys(k_high, k_low, k_scale, k_zero, mask_of(order, k_high.shape[-1]))
-    values = dequantize_values(v_codes, v_scale, v_zero)
     group = 32 * k_high.shape[4]
+    values = dequantize_values(v_codes, v_scale, v_zero, group)
     out = decode_attention_reference(*args)
     for b in range(2):
         n = int(num_groups[b]) * group

@@ -27,8 +27,8 @@ def test_pack_keys_op(layout):
 def test_pack_values_op():
     generator = seeded()
     values = torch.randn(2, 2, 40, 64, generator=generator, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.pnmix.pack_values.default, (values, 2, 64, True))
-    for got, expected in zip(pack_values(values, 2, 64, True), quantize_values(values, 2, 64, True)):
+    torch.library.opcheck(torch.ops.pnmix.pack_values.default, (values, 2, 64, True, 32))
+    for got, expected in zip(pack_values(values, 2, 64, True, 32), quantize_values(values, 2, 64, True, 32)):
         assert torch.equal(got, expected)
 
 

@@ -67,9 +67,10 @@ def test_pack_keys_edge_groups(midpoint_correction):
 )
 def test_pack_values_matches_reference(head_dim, group, bits, dtype):
     generator = seeded(head_dim * 10 + bits)
-    values = torch.randn(2, 2, 37, head_dim, generator=generator).to(dtype)  # 37: a partial token block
-    got = triton_pack_values(values, bits, group, True)
-    assert_identical(got, quantize_values(values, bits, group, True))
+    values = torch.randn(2, 2, 37, head_dim, generator=generator).to(dtype)  # 37: a partial block of 16 and of 32 tokens
+    for token_block in (32, 64, 4):  # 64: no whole block
+        got = triton_pack_values(values, bits, group, True, token_block)
+        assert_identical(got, quantize_values(values, bits, group, True, token_block))
 
 
 @pytest.mark.parametrize("midpoint_correction", [True, False])
@@ -79,5 +80,5 @@ def test_pack_values_edge_tokens(midpoint_correction):
     values[0, 0, 2, 3] = float("-inf")
     values[0, 1, 4, 60] = float("nan")
     values[0, 1, 5] = torch.arange(64) % 2  # 1-bit ties
-    got = triton_pack_values(values, 1, 32, midpoint_correction)
-    assert_identical(got, quantize_values(values, 1, 32, midpoint_correction))
+    got = triton_pack_values(values, 1, 32, midpoint_correction, 8)
+    assert_identical(got, quantize_values(values, 1, 32, midpoint_correction, 8))
