@@ -1,7 +1,7 @@
 """Decode attention on the GPU: correctness first, then PN-Mix kernels vs bf16 SDPA, side by side.
 
     python benchmarks/bench_attention.py [--out DIR] [--quick]
-    python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's groups in flight x register cap x splits
+    python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's shared stages x register cap x splits
     python benchmarks/bench_attention.py --sweep-occupancy   # its register cap x split slots, batch 1 to 580
 
 1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
@@ -367,8 +367,8 @@ def sweep_splits(device) -> list[dict]:
 
 
 def sweep_mma(device) -> list[dict]:
-    """Register cap x split count x key groups in flight of the Gluon split kernel (pnmix-1, bf16),
-    the default flagged."""
+    """Register cap x split count x shared stages (``stages - 1`` key groups in flight) of the Gluon
+    split kernel (pnmix-1, bf16), the default flagged."""
     from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, STAGES, default_splits, mma_decode_attention
 
     rows = []

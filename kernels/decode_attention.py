@@ -25,8 +25,9 @@ Packed keys are never dequantized into memory, nor even into a float key tile: w
 ``q . k = (q * scale) . code + q . zero``, so the tile product runs on the exact
 small-integer codes and the per-group scale folds into the query. Values are
 rebuilt in registers (``zero + code * scale`` per token and channel group) before
-``p @ v``; value words are loaded once per token (``[tokens, words]``) and
-expanded to ``[tokens, words, 32]``, never gathered per channel. The query is
+``p @ v``; each token's value bits are gathered from the words of its block
+(``[tokens, words, 32]``, word and bit by the operand order), never dequantized into
+memory. The query is
 gathered into the stored channel order for packed keys (``order``) and used as is
 for sinks, residual and values.
 
@@ -41,8 +42,9 @@ kernel serves the other shapes and is the one the CPU interpreter tests.
 
 Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
 multiple of ``H``. Tensors may have any batch/head strides (views sliced along the
-token or group dim are read in place); below the head dim they must be contiguous,
-else they are copied.
+group dim, or along the token dim from a multiple of ``G`` tokens, are read in place: the
+value words are in operand order per block of ``G`` tokens); below the head dim they must
+be contiguous, else they are copied.
 """
 
 from __future__ import annotations
@@ -191,7 +193,7 @@ def _decode_split_kernel(
     for chunk in range(split * per_split, chunk_end):
         group = chunk // WORDS
         word = chunk % WORDS
-        # Token n of the chunk is bit n of each channel's word.
+        # Token n of the chunk: word and bit of each channel from _key_bits (high_word, high_bit, ...).
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
             if p < BITS_HIGH:
@@ -312,7 +314,8 @@ def _wave_filling_splits(slots: int, kv_programs: int, max_chunks: int) -> int:
 
 def _kernel_view(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` as the split kernel indexes it: any batch/head strides, the dims below
-    contiguous (views sliced along the token or group dim qualify); copied otherwise."""
+    contiguous (views sliced along the group dim, or along the token dim from a multiple of the
+    key group size, qualify); copied otherwise."""
     expected = 1
     for size, stride in zip(reversed(tensor.shape[2:]), reversed(tensor.stride()[2:])):
         if size > 1 and stride != expected:

@@ -188,8 +188,8 @@ def register_cap(group_size: int, ratio: int) -> int:
 
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into
-    (word row, byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (see
-    :data:`TRANSPOSE_ASM`)."""
+    (word row, byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (the words in
+    operand order, ``pnmix_patch/quantize.py``)."""
 
     def split(bases):
         return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
@@ -354,7 +354,8 @@ def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_H
                   COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
     """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
     per program: the key words ``[PLANES * G / 32, D / 4, 4]`` (row p * G / 32 + w: word row w of
-    plane p; channel 4q + i at ``[q, i]``, stored channel order) as offsets into the high or the low
+    plane p; ``[q, b]``: operand word b of the run of stored channels 4q .. 4q + 3, tokens 32w + 8b ..
+    32w + 8b + 7) as offsets into the high or the low
     codes (``is_high``), ``present`` where the channel has the plane (zeros elsewhere, and in the
     padding planes); the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
     WORDS: gl.constexpr = G // 32
@@ -412,16 +413,16 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_plane_scores(high, low, key_bytes_smem, query_high, query_low, ROW0: gl.constexpr, mask, C0: gl.constexpr,
+def _key_plane_scores(high, low, key_words, query_high, query_low, ROW0: gl.constexpr, mask, C0: gl.constexpr,
                       W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
                       PAIRED: gl.constexpr):
-    """Add one plane of stored channels ``[C0, C0 + W)`` of one step (transposed words, word rows
+    """Add one plane of stored channels ``[C0, C0 + W)`` of one step (the stage's words, word rows
     ``ROW0`` on) times the tile's 8-bit query operands (B-operand registers) to the integer score
     accumulators: high and low parts in two (``low`` untouched when ``PAIRED``: both parts are
     columns of ``query_high``)."""
     WORD_BYTES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEY_BYTES))
     # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-    words = key_bytes_smem.slice(ROW0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
+    words = key_words.slice(ROW0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
     words = gl.expand_dims(gl.expand_dims(words.load(WORD_BYTES), 2), 4)
     words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
                               A8, assert_trivial=True)
@@ -816,8 +817,8 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
-    the third stage is read; the shared memory of the earlier two stages and their byte-transposed
-    copy, which four programs fit, and of a fourth stage would not). Its instructions depend on shared-memory loads
+    the third stage is read; before the cache stored operand order, the kernel had two stages and a
+    byte-transposed copy, the same shared memory). Four stages were not timed. Its instructions depend on shared-memory loads
     closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
     fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
     ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers

@@ -1,7 +1,7 @@
 """The Gluon decode-attention kernel against an earlier copy of it, side by side in one process (GPU).
 
     git show COMMIT:kernels/decode_attention_mma.py > /tmp/baseline_mma.py
-    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--out DIR]
+    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline] [--out DIR]
 
 The copy is loaded as a module of ``pnmix_patch.kernels`` (its relative imports resolve there),
 so it runs with today's Triton kernel helpers and merge kernel. For each preset and shape of
@@ -9,10 +9,16 @@ so it runs with today's Triton kernel helpers and merge kernel. For each preset 
 of both against the float32 reference (small shapes), then the median time of each (CUDA-graph
 replays) at its own default split count, and of the current kernel at split counts filling 2, 3
 and 4 programs per multiprocessor (the occupancy its registers allow may have changed). With
-``--variants``, also the current kernel's launch variants of ``VARIANTS`` (groups in flight,
+``--variants``, also the current kernel's launch variants of ``VARIANTS`` (shared stages,
 register cap, split slots per multiprocessor; ``--variant-configs`` names others) on the shapes of
 ``VARIANT_SHAPES`` (``--variant-presets`` picks presets). Writes ``kernel_ab.json`` under
 ``--out`` (default ``benchmarks/results``).
+
+The caches are in today's packed order. A baseline from before ``52e7023`` (when the cache's words
+were stored plain, not in operand order, ``pnmix_patch/quantize.py``) reads them wrong: give
+``--plain-baseline`` and it gets the same caches with plain words (:func:`plain_codes`). The
+meaning of a variant's stages changed there too: since then ``stages - 1`` groups' copies are in
+flight (one stage is read), before ``stages`` (the words were transposed into another buffer).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from bench_attention import KV_HEADS, PRESETS, build_cache, median_ms  # noqa: E
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits, decode_attention_reference  # noqa: E402
+from pnmix_patch.quantize import keys_from_operand_order, values_from_operand_order  # noqa: E402
 
 SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)],
           "pnmix-2": [(1, 32768), (32, 32768), (64, 16384)], "kivi-2": [(1, 32768), (32, 32768)]}  # fmt: skip
@@ -65,6 +72,15 @@ def load_baseline(path: str):
     return module
 
 
+def plain_codes(cache: tuple) -> tuple:
+    """``build_cache``'s arguments with the key and value words in plain order (the packed layout
+    before ``52e7023``), for a baseline kernel from before then."""
+    cache = list(cache)
+    cache[5], cache[6] = keys_from_operand_order(cache[5]), keys_from_operand_order(cache[6])
+    cache[9] = values_from_operand_order(cache[9], 32 * cache[5].shape[4])
+    return tuple(cache)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -73,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="a copy of kernels/decode_attention_mma.py")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
+    parser.add_argument("--plain-baseline", action="store_true", help="the baseline reads plain words (a kernel from before 52e7023)")
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
     parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES),
@@ -83,6 +100,7 @@ def main() -> None:
     if not args.variants and (args.variant_presets or args.variant_configs):
         parser.error("--variant-presets and --variant-configs need --variants")
     baseline = load_baseline(args.baseline)
+    for_baseline = plain_codes if args.plain_baseline else (lambda cache: cache)
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()
@@ -94,18 +112,19 @@ def main() -> None:
                 cache = build_cache(config, batch, tokens, dtype, device, ragged=True)
                 want = decode_attention_reference(*cache)
                 error = {"preset": preset, "dtype": str(dtype), "batch": batch, "context": tokens,
-                         "baseline": relative_error(baseline.mma_decode_attention(*cache), want),
+                         "baseline": relative_error(baseline.mma_decode_attention(*for_baseline(cache)), want),
                          "current": relative_error(current.mma_decode_attention(*cache), want)}  # fmt: skip
                 errors.append(error)
                 print(f"  error {preset} {dtype}: baseline {error['baseline']:.2e}  current {error['current']:.2e}", flush=True)
     for preset, shapes in ({} if args.skip_ab else SHAPES).items():
         for batch, tokens in shapes:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
+            baseline_cache = for_baseline(cache)
             groups, group_size = cache[5].shape[2], 32 * cache[5].shape[4]
             row = {"preset": preset, "batch": batch, "context": tokens,
                    "baseline_splits": baseline.default_splits(cache[0], batch * KV_HEADS, groups, group_size),
                    "current_splits": current.default_splits(cache[0], batch * KV_HEADS, groups, group_size),
-                   "baseline_ms": median_ms(lambda: baseline.mma_decode_attention(*cache)),
+                   "baseline_ms": median_ms(lambda: baseline.mma_decode_attention(*baseline_cache)),
                    "current_ms": median_ms(lambda: current.mma_decode_attention(*cache)), "current_by_slots": {}}  # fmt: skip
             for per_sm in (2, 3, 4):
                 splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
@@ -123,7 +142,8 @@ def main() -> None:
         for batch, tokens in VARIANT_SHAPES[preset]:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             groups = cache[5].shape[2]
-            ms = median_ms(lambda: baseline.mma_decode_attention(*cache))
+            baseline_cache = for_baseline(cache)
+            ms = median_ms(lambda: baseline.mma_decode_attention(*baseline_cache))
             variants.append({"preset": preset, "batch": batch, "context": tokens, "kernel": "baseline", "ms": ms})
             print(f"  {preset} B={batch:3d} T={tokens:6d} baseline (its defaults): {ms * 1e3:8.1f} us", flush=True)
             for stages, registers, per_sm in configs:
