@@ -818,7 +818,10 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
     the third stage is read; before the cache stored operand order, the kernel had two stages and a
-    byte-transposed copy, the same shared memory). Four stages were not timed. Its instructions depend on shared-memory loads
+    byte-transposed copy, the same shared memory). Measured on an H200 (pnmix-1, bf16,
+    ``benchmarks/diagnostics/stages_sweep.py``, ``benchmarks/results/stages_sweep_operand_order.json``):
+    batch 32 / 32K 324.0 us, against 326.3 with 4 stages, 328.8 with 2 and 328.4 with 96 registers and
+    5 slots; 2 stages are 2% faster at batch 8 / 16K (52.1 against 53.2) and 1 / 32K (16.7 against 17.0). Its instructions depend on shared-memory loads
     closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
     fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
     ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers
