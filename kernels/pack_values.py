@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.quantize import quantize_values, scale_dtype_for
+from pnmix_patch.quantize import check_token_block, quantize_values, scale_dtype_for
 
 from .common import encode, minmax_scale_zero, transpose_byte_quads
 
@@ -112,8 +112,7 @@ def triton_pack_values(
     batch, heads, tokens, head_dim = values.shape
     if head_dim % 32 or head_dim % group_size:
         raise ValueError(f"head_dim={head_dim} must be a multiple of 32 and of group_size={group_size}")
-    if token_block <= 0 or token_block % 4:
-        raise ValueError(f"token_block must be a positive multiple of 4 (the key group size), got {token_block}")
+    check_token_block(token_block)
     num_groups = head_dim // group_size
     codes = values.new_empty(batch, heads, tokens, bits, head_dim // 32, dtype=torch.int32)
     scale = values.new_empty(batch, heads, tokens, num_groups, dtype=scale_dtype_for(values.dtype))

@@ -160,7 +160,8 @@ def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
 keys_from_operand_order = keys_to_operand_order  # a transpose is its own inverse
 
 
-def _check_token_block(token_block: int) -> None:
+def check_token_block(token_block: int) -> None:
+    """Raise ``ValueError`` unless ``token_block`` (the key group size) is a positive multiple of 4."""
     if token_block <= 0 or token_block % 4:
         raise ValueError(f"token_block must be a positive multiple of 4 (the key group size), got {token_block}")
 
@@ -168,7 +169,7 @@ def _check_token_block(token_block: int) -> None:
 def values_to_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tensor:
     """Value words ``[B, H, T, b_V, D/32]`` (plain: per token) in operand order, per block of
     ``token_block`` tokens (module docstring)."""
-    _check_token_block(token_block)
+    check_token_block(token_block)
     *lead, tokens, bits, words = codes.shape
     full = tokens - tokens % token_block
     blocks = transpose_byte_quads(codes[..., :full, :, :], -3).reshape(*lead, full // token_block, token_block // 4, 4, bits, words)
@@ -178,7 +179,7 @@ def values_to_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tens
 
 def values_from_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tensor:
     """Inverse of :func:`values_to_operand_order`."""
-    _check_token_block(token_block)
+    check_token_block(token_block)
     *lead, tokens, bits, words = codes.shape
     full = tokens - tokens % token_block
     blocks = codes[..., :full, :, :].reshape(*lead, full // token_block, bits, words, 4, token_block // 4)
