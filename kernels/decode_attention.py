@@ -36,8 +36,8 @@ inputs use exact ``ieee`` dots (for tests).
 
 On CUDA the op runs the Gluon kernel of :mod:`.decode_attention_mma` where it applies
 (``supports``: fp16/bf16, head dim 64 or 128, ...): it shares this module's merge kernel
-and launcher (:func:`split_and_merge`) and is 2.5-7.0x faster on an H200 at batch 8 to 64
-(1.2-5.2x at batch 1; ``benchmarks/results/bench_attention_operand_order.json``). This Triton
+and launcher (:func:`split_and_merge`) and is 2.5-7.2x faster on an H200 at batch 8 to 64
+(1.2-5.2x at batch 1; ``benchmarks/results/bench_attention_value_fields.json``). This Triton
 kernel serves the other shapes and is the one the CPU interpreter tests.
 
 Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
@@ -105,6 +105,20 @@ def _key_bits(channel, C, token):
     in_run = (channel < 4 * (C // 4))[None, :]
     word = tl.where(in_run, (4 * (channel // 4))[None, :] + (token // 8)[:, None], channel[None, :])
     return word, tl.where(in_run, (8 * (channel % 4))[None, :] + (token % 8)[:, None], token[:, None])
+
+
+@triton.jit
+def _value_bits(p: tl.constexpr, word, bit, D: tl.constexpr, BITS_V: tl.constexpr):
+    """Where plane ``p`` of value channel ``32 word + bit`` (``word`` ``[W]``, ``bit`` ``[32]``) is in a
+    token's words in operand order (``quantize.py``): the word column, the bit in that word and
+    whether it is stored inverted, each ``[1, W, 32]``. Planes of a pair ``(2m, 2m + 1)`` are 2-bit
+    fields (channel ``16u + k`` at bits ``2k + p % 2`` of column ``m * D/16 + u``, bit 7 of every
+    byte inverted); an odd last plane is a plane (bit ``c % 32`` of column ``p * D/32 + c // 32``)."""
+    channel = 32 * word[None, :, None] + bit[None, None, :]
+    if p < BITS_V - BITS_V % 2:
+        position = 2 * (channel % 16) + p % 2
+        return (p // 2) * (D // 16) + channel // 16, position, (position % 8 == 7).to(tl.int32)
+    return p * (D // 32) + channel // 32, channel % 32, tl.zeros_like(channel)
 
 
 @triton.jit
@@ -178,10 +192,11 @@ def _decode_split_kernel(
     kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_word
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
-    # Values: per token, BITS_V planes of D/32 words; channel c = 32 w + i is plane bit i of
-    # word w, in the operand order of quantize.py per block of G tokens (the key group):
-    # word (p, w, i // 8, t // 4) of the block, bit 8 (t % 4) + i % 8 for its token t. Tiles are
-    # [tokens, words, bits] and reshaped to [tokens, channels].
+    # Values: per token, BITS_V planes of D/32 words, in the operand order of quantize.py per
+    # block of G tokens (the key group): channel c = 32 w + i of plane p is bit `position` of the
+    # token's word `column` (_value_bits), stored as word (column, position // 8, t // 4) of the
+    # block, bit 8 (t % 4) + position % 8 for its token t. Tiles are [tokens, words, bits] and
+    # reshaped to [tokens, channels].
     offs_w = tl.arange(0, BLOCK_D // 32)
     w_mask = (offs_w < D // 32)[None, :]
     offs_i = tl.arange(0, 32)
@@ -213,12 +228,12 @@ def _decode_split_kernel(
         token = (chunk * 32 + offs_n)[:, None]  # row of the per-token value arrays
         within = (token % G)[:, :, None]
         block_words = vc_base + ((token - token % G) * (BITS_V * (D // 32)))[:, :, None] + within // 4
-        bit = 8 * (within % 4) + offs_i[None, None, :] % 8
+        bit = 8 * (within % 4)
         v_codes = tl.zeros([32, BLOCK_D // 32, 32], tl.int32)
         for p in tl.static_range(BITS_V):
-            column = (p * (D // 32) + offs_w)[None, :, None]
-            words = tl.load(block_words + (column * 4 + offs_i[None, None, :] // 8) * (G // 4), mask=w_mask[:, :, None], other=0)
-            v_codes |= ((words >> bit) & 1) << p
+            column, position, inverted = _value_bits(p, offs_w, offs_i, D, BITS_V)
+            words = tl.load(block_words + (column * 4 + position // 8) * (G // 4), mask=w_mask[:, :, None], other=0)
+            v_codes |= (((words >> (bit + position % 8)) & 1) ^ inverted) << p
         v_scale = tl.load(vs_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
         v_zero = tl.load(vz_ptrs + token * (D // GV), mask=w_mask, other=0.0).to(tl.float32)
         v = v_zero[:, :, None] + v_codes.to(tl.float32) * v_scale[:, :, None]

@@ -10,15 +10,23 @@ Why a second kernel: Triton decides which thread holds which code and reaches ``
 through shared memory; Gluon states layouts explicitly, so each thread builds exactly the
 operands its ``mma.sync`` fragments need, with one instruction per register:
 
-- Every bit plane is the A operand of an 8-bit MMA (m16n8k32, int32 accumulation). Keys:
-  ``scores^T [T, Hq] = planes [T tokens, D] @ (q * scale)^T``; values: ``acc^T [D, Hq] +=
-  planes^T [D, T tokens] @ (p * scale)^T``. The per-channel key scale folds into q, the
-  per-token value scale into p (one value group per token), the zeros into per-head offsets.
+- Every key bit plane, and every pair of value bit planes, is the A operand of an 8-bit MMA
+  (m16n8k32, int32 accumulation). Keys: ``scores^T [T, Hq] = planes [T tokens, D] @ (q *
+  scale)^T``; values: ``acc^T [D, Hq] += codes^T [D, T tokens] @ (p * scale)^T``. The
+  per-channel key scale folds into q, the per-token value scale into p (one value group per
+  token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
-  operand order (``pnmix_patch/quantize.py``: the plain words byte-transposed in runs of four), so
-  a word holds 8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j``
-  (:data:`BYTES_ASM`) is the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads -128). The factor ``2^-j``
-  (``-2^-7``) is the same for all of a row's elements, so it is applied to the MMA results.
+  operand order (``pnmix_patch/quantize.py``: byte-transposed in runs of four), so a key word
+  holds 8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j``
+  (:data:`BYTES_ASM`) is the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads
+  -128). The factor ``2^-j`` (``-2^-7``) is the same for all of a row's elements, so it is
+  applied to the MMA results.
+- Values are stored as 2-bit fields (a pair of planes per word): a word holds 4 channel rows x 4
+  token columns, and ``word & 0x03030303 << 2k`` is the register of row k: ``4^k * code``, half
+  the ANDs and MMAs of two planes. The top field (k = 3) holds the sign bit of the int8, so the
+  cache stores its high bit inverted: it reads ``64 * (code - 2)``. Its rows get ``2 * sum(p *
+  scale)`` back after the loop (per-thread partial sums, like the zeros'; with 4-bit values, two
+  field words per row weighted 4 and 1, ``10 * sum(p * scale)``).
 - The B operands (``q * scale``, ``p * scale``, float32) are split into two 8-bit parts with one
   scale per query column: ``y = 127 * x / peak``, ``high = round(y)``, ``low = round(128 * (y -
   high))``, 15 significant bits against bf16's 8; ``result = (128 * acc_high + acc_low) * peak /
@@ -26,10 +34,10 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   are made once per group by all warps into shared memory. Values: ``peak`` is the group's
   largest token scale (``p <= 1``). The parts are rounded by adding 1.5 * 2^23 and reading the
   float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no float-to-integer conversion.
-- Every bit plane meets the same B operand, the planes weighted by Horner's scheme: from the top
-  plane down, the integer accumulators are doubled and the next plane's MMA is added (one shift
-  per accumulator register and plane instead of one operand per plane and tile, or 2^p MMAs
-  for value plane p). The key sums stay far inside int32 (at most 128 channels x 15 x 127 x 128
+- Every key bit plane meets the same B operand, the planes weighted by Horner's scheme: from the
+  top plane down, the integer accumulators are doubled and the next plane's MMA is added (one
+  shift per accumulator register and plane instead of one operand per plane and tile, or 2^p
+  MMAs for plane p); 4-bit values' two field words likewise, times 4. The key sums stay far inside int32 (at most 128 channels x 15 x 127 x 128
   = 3.1e7 with 4-bit codes); their high and low parts are combined in float32.
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
   8 columns hold each head twice, its high parts in column 2j and its low parts in column 2j + 1,
@@ -109,8 +117,9 @@ def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: t
 def supports_shapes(head_dim: int, group_size: int, bits_high: int, bits_low: int, bits_value: int,
                     value_scales_per_token: int, query_heads: int, heads: int, num_high: int) -> bool:
     """The shapes this kernel builds for: head dim 64 or 128, key groups of a power of two of at
-    least 64 tokens, key codes of at most 4 bits, value codes of 1, 2 or 4 bits (its shared
-    buffers are powers of two: 3-bit values or 192-token groups would not compile), one value
+    least 64 tokens, key codes of at most 4 bits, value codes of 2 or 4 bits (pairs of planes
+    stored as 2-bit fields; a 1-bit or an odd top plane is a plane, which this kernel does not
+    read; and its shared buffers are powers of two: 192-token groups would not compile), one value
     group per token, at most 16 query heads per KV head, and selected channels ``num_high`` a
     multiple of 4: the kernel copies a run of four channels' words as one operand word, and a run
     across the selected and the other codes tensors is not stored in operand order (pnmix-2 at head
@@ -121,7 +130,7 @@ def supports_shapes(head_dim: int, group_size: int, bits_high: int, bits_low: in
         and group_size >= 64
         and group_size & (group_size - 1) == 0
         and max(bits_high, bits_low) <= 4
-        and bits_value in (1, 2, 4)
+        and bits_value in (2, 4)
         and value_scales_per_token == 1
         and query_heads % heads == 0
         and query_heads // heads <= 16
@@ -151,12 +160,14 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
 
 def step_tokens(group_size: int, value_bits: int) -> int:
     """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the group
-    holds a multiple of it and the value codes have at most 3 bits (1 or 2: 3-bit values go to the
-    Triton kernel), else 64. A step makes one softmax update (one cross-warp maximum, one
-    rescaling of the accumulators). The bound keeps a step's integer value sums in int32: T tokens
-    x (2^b - 1) plane repeats x 128 x 127 (the largest product of 8-bit operands) x 128 (the high
-    part's weight) < 2^31 (4-bit values at 128 tokens would reach 4.0e9)."""
-    return 128 if group_size % 128 == 0 and value_bits <= 3 else 64
+    holds a multiple of it and the value codes have 2 bits, else 64 (4-bit values). A step makes
+    one softmax update (one cross-warp maximum, one rescaling of the accumulators). The rule was
+    set when values were bit planes, to keep a step's integer value sums in int32 (T tokens x
+    (2^b - 1) x 128 x 127 x 128, the high part's weight: 4.0e9 for 4-bit values at 128 tokens).
+    With 2-bit fields a byte reads at most 128 in magnitude, weighted 4^m over the b/2 field words:
+    T x (2^b - 1) / 3 x 128 x 127 x 128, 1.3e9 for 4-bit values at 128 tokens, inside int32; 128
+    tokens for 4-bit values were not tried."""
+    return 128 if group_size % 128 == 0 and value_bits <= 2 else 64
 
 
 def paired_columns(ratio: int) -> bool:
@@ -200,12 +211,12 @@ def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
 
 def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of the values ``[D, T]`` (channel rows, token columns) with channel
-    c split into (byte, bit) and token t into (quad, byte): ``[D/8, 8, T/4, 4]``."""
+    c split into (word row, 2-bit field) and token t into (quad, byte): ``[D/4, 4, T/4, 4]``."""
 
     def split(bases):
-        return [[c >> 3, c & 7, t >> 2, t & 3] for c, t in bases]
+        return [[c >> 2, c & 3, t >> 2, t & 3] for c, t in bases]
 
-    shape = [head_dim // 8, 8, tokens // 4, 4]
+    shape = [head_dim // 4, 4, tokens // 4, 4]
     return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(head_dim, tokens)), [], shape)
 
 
@@ -295,7 +306,8 @@ def value_copy_layout(group_size: int) -> gl.BlockedLayout:
 
 BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
 """PTX of one register of an 8-bit operand: a word in operand order ANDed with ``0x01010101 << j``
-(``$1..$4`` are the word, ``$5..$8`` the mask, four times each: one per byte of the result)."""
+(keys) or ``0x03030303 << 2k`` (values) (``$1..$4`` are the word, ``$5..$8`` the mask, four times
+each: one per byte of the result)."""
 BYTES_CONSTRAINTS = gl.constexpr(",".join(["=r"] + ["r"] * 8))
 
 
@@ -640,14 +652,18 @@ def _decode_split_kernel_mma(
     key_mask = gl.expand_dims(0x01010101 << (gl.arange(0, T, layout=gl.SliceLayout(1, A8)) % 8), 1)
     no_keys = gl.zeros([T, BLOCK_Q], gl.int32, layout=MMA)
 
-    # Value planes: 8-bit operands like the keys' (row c read bit c % 8 of its bytes).
-    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 8, T / 4]
+    # Value field words: 8-bit operands like the keys' (row c read field c % 4 of its bytes: 4^(c % 4)
+    # times its code; the top field 64 * (code - 2), its high bit stored inverted).
+    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 4, T / 4]
     rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
-    value_unit = gl.expand_dims(gl.where(rows_acc % 8 == 7, -1.0, 1.0) * gl.exp2(-(rows_acc % 8).to(gl.float32)), 1)
-    value_mask = gl.expand_dims(0x01010101 << (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 8), 1)
+    value_unit = gl.expand_dims(gl.exp2(-2.0 * (rows_acc % 4).to(gl.float32)), 1)
+    value_mask = gl.expand_dims(0x03030303 << (2 * (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 4)), 1)
+    # The top fields' rows read every code of a pair as code - 2: 2 * sum over pairs m of 4^m = 2 (2^b - 1) / 3.
+    value_top = gl.expand_dims(gl.where(rows_acc % 4 == 3, 2.0 * ((1 << BITS_V) - 1) / 3.0, 0.0), 1)
     no_values = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
     l_rows = gl.zeros([T, QUERY_ROWS], gl.float32, layout=SCORES)  # per-thread partial sums over the packed tokens, see below
     zero_rows = l_rows
+    scale_rows = l_rows
 
     group_start = split * per_split
     copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
@@ -751,11 +767,14 @@ def _decode_split_kernel_mma(
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
             # p . (zero + code * scale) = (p * scale) . code + p . zero. The sums over tokens (of p, of
-            # p * zero) stay per thread, rescaled like acc, and are reduced once after the loop.
+            # p * zero, of p * scale for the top fields) stay per thread, rescaled like acc, and are
+            # reduced once after the loop.
             l_i = l_i * alpha
             l_rows = l_rows * alpha_row + p
             zero_rows = zero_rows * alpha_row + p * token_zero
-            p_high, p_low = _split_8bit(p * token_scale * value_inverse)
+            p_scaled = p * token_scale
+            scale_rows = scale_rows * alpha_row + p_scaled
+            p_high, p_low = _split_8bit(p_scaled * value_inverse)
             if PAIRED:
                 p_high_smem.store(gl.permute(_int8(_join_parts(p_high, p_low, MMA)), [1, 0]))
             else:
@@ -767,15 +786,15 @@ def _decode_split_kernel_mma(
                 p_low = p_low_smem.permute([1, 0]).load(B8)
             v_high = no_values
             v_low = no_values
-            for value_plane in gl.static_range(BITS_V - 1, -1, -1):  # Horner's scheme, as for the keys
-                if value_plane < BITS_V - 1:
-                    v_high = v_high * 2
+            for value_pair in gl.static_range(BITS_V // 2 - 1, -1, -1):  # Horner's scheme over the field words
+                if value_pair < BITS_V // 2 - 1:
+                    v_high = v_high * 4
                     if not PAIRED:
-                        v_low = v_low * 2
-                # [channel byte, token quad] -> broadcast over (bit, token within the quad) -> [D, T]: no data moves.
-                words = value_words.slice(value_plane * (D // 8), D // 8, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
+                        v_low = v_low * 4
+                # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T]: no data moves.
+                words = value_words.slice(value_pair * (D // 4), D // 4, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
                 words = gl.expand_dims(gl.expand_dims(words, 1), 3)
-                words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 8, 8, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
+                words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
                                           A8, assert_trivial=True)
                 operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
                 v_high = mma_v2(operand, p_high, v_high)
@@ -790,6 +809,7 @@ def _decode_split_kernel_mma(
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
+    acc += value_top * gl.expand_dims(gl.convert_layout(gl.sum(scale_rows, 0), gl.SliceLayout(0, ACC)), 0)
 
     _let_next_kernel_launch(PDL)  # the merge kernel's programs start while the last splits finish
     # Residual: last split only.

@@ -9,8 +9,9 @@ masked), so each channel group reduces along the last axis. Codes are packed alo
 channels: bit ``c % 32`` of word ``c // 32`` of plane ``p`` is bit ``p`` of channel
 ``c``'s code, i.e. ``codes [B, H, T, b_V, D/32]``; ``scale/zero [B, H, T, D/Gv]``. The
 words are written in operand order per block of ``token_block`` tokens (``quantize.py``):
-each run of four tokens' words byte-transposed, a block's words stored ``[b_V, D/32, 4,
-token_block/4]``; the tokens of a last, partial block keep plain words.
+pairs of planes as 2-bit field words, each run of four tokens' words byte-transposed, a
+block's words stored ``[b_V * D/32, 4, token_block/4]``; the tokens of a last, partial block
+keep plain words.
 Limits: ``D`` a multiple of 32, ``Gv`` dividing ``D``, bits <= 8, ``token_block`` a
 multiple of 4; the codes contiguous below the head dim.
 
@@ -24,11 +25,13 @@ import torch
 import triton
 import triton.language as tl
 
+from pnmix_patch.quantize import FIELD_SIGN_FLIP as _FIELD_SIGN_FLIP
 from pnmix_patch.quantize import check_token_block, quantize_values, scale_dtype_for
 
 from .common import encode, minmax_scale_zero, transpose_byte_quads
 
 BLOCK_T = 16
+FIELD_SIGN_FLIP = tl.constexpr(_FIELD_SIGN_FLIP)
 """Tokens per program: a multiple of 4 (the runs of four tokens whose words are transposed)."""
 
 
@@ -66,20 +69,31 @@ def pack_value_tokens(
     tl.store(zero_ptr + param_offs, zero, mask=param_mask)
 
     codes = encode(x, scale.to(tl.float32)[:, :, None], zero.to(tl.float32)[:, :, None], levels)
-    shift = channel % 32
-    # Word column c = p * D/32 + w of slot t: plain at t * BITS * D/32 + c; in operand order,
-    # in block t // TOKEN_BLOCK at (c * 4 + t % 4) * TOKEN_BLOCK/4 + (t % TOKEN_BLOCK) // 4.
+    # Word column c of slot t (plain: c = p * D/32 + w, plane p; operand order: the same columns
+    # with plane pairs as field words): plain at t * BITS * D/32 + c; in operand order, in block
+    # t // TOKEN_BLOCK at (c * 4 + t % 4) * TOKEN_BLOCK/4 + (t % TOKEN_BLOCK) // 4, transposed.
+    # Sums of distinct bits are their OR (bit 31 wraps to the sign, as int32 should).
     within = offs_out % TOKEN_BLOCK
     plain_base = codes_ptr + offs_out * (BITS * (D // 32))
     block_base = codes_ptr + (offs_out - within) * (BITS * (D // 32)) + (within % 4) * (TOKEN_BLOCK // 4) + within // 4
+    PAIRED_PLANES: tl.constexpr = BITS - BITS % 2
     for w in tl.static_range(D // 32):
         in_word = ((channel // 32) == w) & c_mask
         for p in tl.static_range(BITS):
-            # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
-            bits = tl.where(in_word[None, :, :], ((codes >> p) & 1) << shift[None, :, :], 0)
+            bits = tl.where(in_word[None, :, :], ((codes >> p) & 1) << (channel % 32)[None, :, :], 0)
             word = tl.sum(tl.sum(bits, 2), 1)
             column = p * (D // 32) + w
             tl.store(plain_base + column, word, mask=t_mask & ~in_full_block)
+            if p >= PAIRED_PLANES:  # an odd last plane stays a plane in operand order
+                tl.store(block_base + column * TOKEN_BLOCK, transpose_byte_quads(word), mask=t_mask & in_full_block)
+    # Plane pairs (2m, 2m + 1) as 2-bit fields: channel 16u + k at bits 2k, 2k + 1 of field word u
+    # (column m * D/16 + u), bit 7 of every byte inverted (quantize.planes_to_fields).
+    for m in tl.static_range(BITS // 2):
+        for u in tl.static_range(D // 16):
+            in_word = ((channel // 16) == u) & c_mask
+            fields = tl.where(in_word[None, :, :], ((codes >> (2 * m)) & 3) << (2 * (channel % 16))[None, :, :], 0)
+            word = tl.sum(tl.sum(fields, 2), 1) ^ FIELD_SIGN_FLIP
+            column = m * (D // 16) + u
             tl.store(block_base + column * TOKEN_BLOCK, transpose_byte_quads(word), mask=t_mask & in_full_block)
 
 

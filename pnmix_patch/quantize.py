@@ -63,11 +63,17 @@ H200, ``benchmarks/results/pretransposed_codes.json``). Both are 4 x 4 byte tran
   bit ``8i + j`` of word ``4q + b`` is token ``32w + 8b + j`` of channel ``4q + i``. When
   the tensor's channel count is not a multiple of 4, its last ``C % 4`` words stay plain;
 - values (:func:`values_to_operand_order`), per block of ``token_block`` tokens (the key
-  group size ``G``): the words of four consecutive tokens ``4tq .. 4tq + 3`` (same plane
-  and word) are transposed, and the block's ``[G, b_V, D/32]`` words are stored as
-  ``[b_V, D/32, 4, G/4]``: bit ``8i + j`` of word ``(p, w, b, tq)`` is plane ``p`` of
-  channel ``32w + 8b + j`` of token ``4tq + i``. A last block of fewer than ``G`` tokens
-  stays plain.
+  group size ``G``). First each token's planes are taken in pairs ``(2m, 2m + 1)`` and
+  stored as 2-bit fields (:func:`planes_to_fields`): the pair's ``2 * D/32`` words hold
+  ``D/16`` field words, channel ``16u + k`` at bits ``2k`` (plane ``2m``) and ``2k + 1``
+  (plane ``2m + 1``) of field word ``u``, with bit 7 of every byte inverted (the top field
+  of a byte then reads as ``64 * (code - 2)`` in a signed int8, see the kernel); an odd last
+  plane stays a plane. Then the words of four consecutive tokens ``4tq .. 4tq + 3`` (same
+  word column) are transposed, and the block's ``[G, b_V, D/32]`` words are stored as
+  ``[b_V * D/32, 4, G/4]``: byte ``i`` of word ``(column, b, tq)`` is byte ``b`` of token
+  ``4tq + i``'s word ``column``. With 2-bit values, bits ``2k, 2k + 1`` of byte ``i`` of
+  word ``(u, b, tq)`` are channel ``16u + 4b + k`` of token ``4tq + i`` (so a word row is
+  ``channel // 4``). A last block of fewer than ``G`` tokens stays plain (bit planes).
 
 A reader that wants plain words applies the inverse (:func:`keys_from_operand_order`,
 :func:`values_from_operand_order`); the unpacking functions below do.
@@ -123,8 +129,11 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     words = codes.to(torch.int64).reshape(*codes.shape[:-1], 1, n // WORD_BITS, WORD_BITS)
     planes = torch.arange(bits, device=codes.device).view(bits, 1, 1)
     positions = torch.arange(WORD_BITS, device=codes.device)
-    packed = (((words >> planes) & 1) << positions).sum(-1)
-    # Reinterpret the unsigned 32-bit value as int32 (two's complement).
+    return _to_int32((((words >> planes) & 1) << positions).sum(-1))
+
+
+def _to_int32(packed: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit values held in int64, reinterpreted as int32 (two's complement)."""
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
@@ -166,13 +175,43 @@ def check_token_block(token_block: int) -> None:
         raise ValueError(f"token_block must be a positive multiple of 4 (the key group size), got {token_block}")
 
 
+FIELD_SIGN_FLIP = -0x7F7F7F80
+"""``0x80808080`` as an int32: bit 7 of every byte, inverted in field words (:func:`planes_to_fields`)."""
+
+
+def planes_to_fields(words: torch.Tensor) -> torch.Tensor:
+    """Bit-plane words ``[..., b_V, D/32]`` of one token with each pair of planes ``(2m, 2m + 1)``
+    as 2-bit field words (module docstring, "values"); an odd last plane stays as it is."""
+    *lead, bits, width = words.shape
+    pairs = bits // 2
+    if not pairs:
+        return words
+    codes = unpack_bits(words[..., : 2 * pairs, :].reshape(*lead, pairs, 2, width))  # [..., pairs, D]: 2-bit codes
+    fields = codes.reshape(*lead, pairs, 2 * width, 16).to(torch.int64) << (2 * torch.arange(16, device=words.device))
+    fields = _to_int32(fields.sum(-1)) ^ FIELD_SIGN_FLIP
+    return torch.cat([fields.reshape(*lead, 2 * pairs, width), words[..., 2 * pairs :, :]], -2)
+
+
+def fields_to_planes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`planes_to_fields`."""
+    *lead, bits, width = words.shape
+    pairs = bits // 2
+    if not pairs:
+        return words
+    fields = words[..., : 2 * pairs, :].reshape(*lead, pairs, 2 * width, 1) ^ FIELD_SIGN_FLIP
+    codes = (fields >> (2 * torch.arange(16, dtype=torch.int32, device=words.device))) & 3  # int32: see unpack_bits
+    planes = pack_bits(codes.reshape(*lead, pairs, 32 * width), 2)  # [..., pairs, 2, D/32]
+    return torch.cat([planes.reshape(*lead, 2 * pairs, width), words[..., 2 * pairs :, :]], -2)
+
+
 def values_to_operand_order(codes: torch.Tensor, token_block: int) -> torch.Tensor:
-    """Value words ``[B, H, T, b_V, D/32]`` (plain: per token) in operand order, per block of
-    ``token_block`` tokens (module docstring)."""
+    """Value words ``[B, H, T, b_V, D/32]`` (plain: per token, bit planes) in operand order, per
+    block of ``token_block`` tokens (module docstring)."""
     check_token_block(token_block)
     *lead, tokens, bits, words = codes.shape
     full = tokens - tokens % token_block
-    blocks = transpose_byte_quads(codes[..., :full, :, :], -3).reshape(*lead, full // token_block, token_block // 4, 4, bits, words)
+    blocks = transpose_byte_quads(planes_to_fields(codes[..., :full, :, :]), -3)
+    blocks = blocks.reshape(*lead, full // token_block, token_block // 4, 4, bits, words)
     blocks = blocks.movedim((-4, -3), (-1, -2))  # [.., block, block / 4, 4, bits, words] -> [.., block, bits, words, 4, block / 4]
     return torch.cat([blocks.reshape(*lead, full, bits, words), codes[..., full:, :, :]], -3)
 
@@ -184,7 +223,7 @@ def values_from_operand_order(codes: torch.Tensor, token_block: int) -> torch.Te
     full = tokens - tokens % token_block
     blocks = codes[..., :full, :, :].reshape(*lead, full // token_block, bits, words, 4, token_block // 4)
     blocks = blocks.movedim((-1, -2), (-4, -3)).reshape(*lead, full, bits, words)
-    return torch.cat([transpose_byte_quads(blocks, -3), codes[..., full:, :, :]], -3)
+    return torch.cat([fields_to_planes(transpose_byte_quads(blocks, -3)), codes[..., full:, :, :]], -3)
 
 
 def channel_order(channel_mask: torch.Tensor) -> torch.Tensor:

@@ -231,9 +231,9 @@ def test_keys_in_operand_order_hold_the_documented_bits(channels):
     assert torch.equal(keys_from_operand_order(ordered), plain)
 
 
-@pytest.mark.parametrize("tokens, block", [(64, 32), (70, 32), (20, 8), (3, 8)])
-def test_values_in_operand_order_hold_the_documented_bits(tokens, block):
-    bits, words = 2, 2
+@pytest.mark.parametrize("tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4)])
+def test_values_in_operand_order_hold_the_documented_bits(tokens, block, bits):
+    words = 2
     plain = random_words(1, 2, tokens, bits, words, seed=tokens)
     ordered = values_to_operand_order(plain, block)
     assert ordered.shape == plain.shape
@@ -242,14 +242,22 @@ def test_values_in_operand_order_hold_the_documented_bits(tokens, block):
     for t in range(tokens):
         for p in range(bits):
             for w in range(words):
-                for channel in range(0, 32, 5):
-                    if t < full:  # bit 8i + j of word (p, w, b, tq) of the block is channel 32w + 8b + j of token 4tq + i
+                for i in range(0, 32, 5):
+                    channel, inverted = 32 * w + i, 0
+                    if t < full and p < bits - bits % 2:
+                        # plane pairs as 2-bit fields: bits 2k, 2k + 1 of byte b of word u (one per 16
+                        # channels) hold channel 16u + 4b + k, bit 7 of every byte inverted
+                        column, position = (p // 2) * 2 * words + channel // 16, 2 * (channel % 16) + p % 2
+                        inverted = int(position % 8 == 7)
+                    else:  # bit planes: bit c % 32 of word c // 32 of plane p
+                        column, position = p * words + w, i
+                    if t < full:  # byte i of word (column, b, tq) of the block is byte b of token 4tq + i's word column
                         within = t % block
-                        index = (t - within) * bits * words + ((p * words + w) * 4 + channel // 8) * (block // 4) + within // 4
-                        got = bit(flat[index], 8 * (within % 4) + channel % 8)
+                        index = (t - within) * bits * words + (column * 4 + position // 8) * (block // 4) + within // 4
+                        got = bit(flat[index], 8 * (within % 4) + position % 8) ^ inverted
                     else:
-                        got = bit(ordered[0, 1, t, p, w], channel)
-                    assert got == bit(plain[0, 1, t, p, w], channel)
+                        got = bit(ordered[0, 1, t, column // words, column % words], position)
+                    assert got == bit(plain[0, 1, t, p, w], i)
     assert torch.equal(values_from_operand_order(ordered, block), plain)
 
 

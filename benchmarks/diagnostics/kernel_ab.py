@@ -1,7 +1,7 @@
 """The Gluon decode-attention kernel against an earlier copy of it, side by side in one process (GPU).
 
     git show COMMIT:kernels/decode_attention_mma.py > /tmp/baseline_mma.py
-    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline] [--out DIR]
+    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline | --plane-values-baseline] [--out DIR]
 
 The copy is loaded as a module of ``pnmix_patch.kernels`` (its relative imports resolve there),
 so it runs with today's Triton kernel helpers and merge kernel. For each preset and shape of
@@ -19,6 +19,9 @@ were stored plain, not in operand order, ``pnmix_patch/quantize.py``) reads them
 ``--plain-baseline`` and it gets the same caches with plain words (:func:`plain_codes`). The
 meaning of a variant's stages changed there too: since then ``stages - 1`` groups' copies are in
 flight (one stage is read), before ``stages`` (the words were transposed into another buffer).
+A baseline from before the value codes were stored as 2-bit fields (the commit that added
+``--plane-values-baseline``) reads value bit planes in operand order: give that option
+(:func:`plane_values`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -38,6 +42,7 @@ from bench_attention import KV_HEADS, PRESETS, build_cache, median_ms  # noqa: E
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits, decode_attention_reference  # noqa: E402
+from pnmix_patch import quantize  # noqa: E402
 from pnmix_patch.quantize import keys_from_operand_order, values_from_operand_order  # noqa: E402
 
 SHAPES = {"pnmix-1": [(1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)],
@@ -81,6 +86,20 @@ def plain_codes(cache: tuple) -> tuple:
     return tuple(cache)
 
 
+def plane_values(cache: tuple) -> tuple:
+    """``build_cache``'s arguments with the value words as bit planes in operand order (no 2-bit
+    fields: the packed layout before ``--plane-values-baseline`` was added), for a baseline kernel
+    from before then."""
+    cache = list(cache)
+    group_size = 32 * cache[5].shape[4]
+    converted = torch.empty_like(cache[9])
+    with mock.patch.object(quantize, "planes_to_fields", lambda words: words):
+        for sequence, codes in enumerate(cache[9]):  # one sequence at a time: the conversion's int64 temporaries
+            converted[sequence] = quantize.values_to_operand_order(values_from_operand_order(codes, group_size), group_size)
+    cache[9] = converted
+    return tuple(cache)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -89,7 +108,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="a copy of kernels/decode_attention_mma.py")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results"))
-    parser.add_argument("--plain-baseline", action="store_true", help="the baseline reads plain words (a kernel from before 52e7023)")
+    baseline_format = parser.add_mutually_exclusive_group()
+    baseline_format.add_argument("--plain-baseline", action="store_true", help="the baseline reads plain words (a kernel from before 52e7023)")
+    baseline_format.add_argument("--plane-values-baseline", action="store_true",
+                                 help="the baseline reads value bit planes (a kernel from before the 2-bit value fields)")
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
     parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES),
@@ -100,7 +122,7 @@ def main() -> None:
     if not args.variants and (args.variant_presets or args.variant_configs):
         parser.error("--variant-presets and --variant-configs need --variants")
     baseline = load_baseline(args.baseline)
-    for_baseline = plain_codes if args.plain_baseline else (lambda cache: cache)
+    for_baseline = plain_codes if args.plain_baseline else plane_values if args.plane_values_baseline else (lambda cache: cache)
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()

@@ -14,7 +14,7 @@ from kernel_cases import LAYOUTS, decode_inputs, num_high, seeded
 
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import decode_attention_reference
-from pnmix_patch.quantize import dequantize_keys, pack_bits, transpose_byte_quads
+from pnmix_patch.quantize import dequantize_keys, pack_bits, planes_to_fields, transpose_byte_quads, values_to_operand_order
 
 MASK = 0xFFFFFFFF
 
@@ -72,6 +72,21 @@ def test_operand_order_words_are_8_bit_operands(seed):
         assert int8_elements(register) == [(-128 if j == 7 else 2**j) * int(bits[i, position]) for i in range(4)]
 
 
+@pytest.mark.parametrize("seed", [1, 2])
+def test_value_field_words_are_8_bit_operands(seed):
+    """Four tokens' 2-bit value codes of 16 channels (a field word each, ``quantize.planes_to_fields``)
+    in operand order, ANDed with ``0x03030303 << 2k``: four int8 elements, token i's in element i,
+    holding channel 4b + k's code times 4^k, and 64 * (code - 2) for the top field (k = 3)."""
+    codes = torch.randint(0, 4, (4, 32), generator=torch.Generator().manual_seed(seed))
+    fields = planes_to_fields(pack_bits(codes, 2))[:, :, 0].reshape(4, 2)  # [token, field word]: channels 0-15, 16-31
+    transposed = [int(w) & MASK for w in transpose_byte_quads(fields[:, 0].contiguous(), 0)]
+    for channel in range(16):
+        b, k = channel // 4, channel % 4
+        (register,) = run_ptx(mma.BYTES_ASM.value, [0, *[transposed[b]] * 4, *[0x03030303 << (2 * k)] * 4], 1)
+        want = [64 * (int(codes[i, channel]) - 2) if k == 3 else 4**k * int(codes[i, channel]) for i in range(4)]
+        assert int8_elements(register) == want
+
+
 @pytest.mark.parametrize("tokens", [64, 128])
 def test_byte_layouts_split_the_8_bit_operand(tokens):
     """The key and value byte layouts are the 8-bit A-operand layout (as Triton 3.7 prints it for
@@ -86,7 +101,7 @@ def test_byte_layouts_split_the_8_bit_operand(tokens):
     layout = mma._value_byte_layout(128, tokens)
     registers, lanes, warps = mma._a8_operand_bases(128, tokens)
     for basis, (c, t) in zip(layout.reg_bases + layout.lane_bases + layout.warp_bases, registers + lanes + warps, strict=True):
-        assert basis == [c >> 3, c & 7, t >> 2, t & 3]
+        assert basis == [c >> 2, c & 3, t >> 2, t & 3]
 
 
 def linear_element(bases: tuple, register: int, lane: int, warp: int) -> list:
@@ -180,14 +195,15 @@ def test_columns_pair_up_to_4_heads(ratio):
 
 @pytest.mark.parametrize(
     "shapes, supported",
-    [((128, 128, 3, 1, 2, 1, 32, 8, 64), True), ((64, 64, 4, 2, 4, 1, 28, 4, 16), True), ((128, 256, 3, 1, 1, 1, 16, 1, 0), True),
+    [((128, 128, 3, 1, 2, 1, 32, 8, 64), True), ((64, 64, 4, 2, 4, 1, 28, 4, 16), True), ((128, 256, 3, 1, 1, 1, 16, 1, 0), False),
+     ((128, 256, 3, 1, 2, 1, 16, 1, 0), True),
      ((128, 64, 3, 1, 2, 1, 32, 8, 52), True), ((128, 128, 2, 2, 2, 1, 32, 8, 128), True),
      ((128, 192, 3, 1, 2, 1, 32, 8, 64), False), ((128, 32, 3, 1, 2, 1, 32, 8, 64), False), ((128, 128, 3, 1, 3, 1, 32, 8, 64), False),
      ((128, 128, 8, 4, 2, 1, 32, 8, 64), False), ((96, 128, 3, 1, 2, 1, 32, 8, 64), False), ((128, 128, 3, 1, 2, 2, 32, 8, 64), False),
      ((128, 128, 3, 1, 2, 1, 34, 2, 64), False), ((64, 64, 3, 1, 2, 1, 32, 8, 26), False)],
 )  # fmt: skip
 def test_supports_shapes(shapes, supported):
-    """Head dim, group size (a power of two, at least 64), code widths (value codes 1, 2 or 4 bits),
+    """Head dim, group size (a power of two, at least 64), code widths (value codes 2 or 4 bits: 2-bit fields),
     one value group per token, at most 16 query heads per KV head, selected channels a multiple of 4
     (pnmix-2 at head dim 64 selects 26: the Triton kernel)."""
     assert mma.supports_shapes(*shapes) is supported
@@ -298,17 +314,17 @@ def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
 @requires_cuda
 @pytest.mark.parametrize(
     "layout, ratio, dtype, value_bits",
-    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4),
-     ("4-2", 1, torch.bfloat16, 1)],
+    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4)],
 )  # fmt: skip
 def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
-    """Kitty's 4-bit keys, and 1- and 4-bit values: 4 bits take the 64-token step (their integer
-    value sums would pass int32 in a 128-token one). 3-bit values go to the Triton kernel."""
+    """Kitty's 4-bit keys, and 4-bit values (two field words per row): 4 bits take the 64-token
+    step. 1- and 3-bit values (a bit plane) go to the Triton kernel."""
     args = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1],
                          residual_len=[7, 128, 0], value_bits=value_bits)  # fmt: skip
     assert mma.step_tokens(128, value_bits) == (64 if value_bits == 4 else 128)
-    three_bits = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[1], num_groups=[1], residual_len=[1], value_bits=3)
-    assert not mma.supports(*(three_bits[i].cuda() for i in (0, 5, 6, 9, 10)), three_bits[2].shape[1])
+    for odd in (1, 3):
+        odd_bits = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[1], num_groups=[1], residual_len=[1], value_bits=odd)
+        assert not mma.supports(*(odd_bits[i].cuda() for i in (0, 5, 6, 9, 10)), odd_bits[2].shape[1])
     assert_matches_reference_on_cuda(args, dtype)
 
 
@@ -324,15 +340,15 @@ def test_other_head_ratios_and_two_steps_per_group_on_cuda(layout, ratio):
 
 def largest_value_sums(value_bits: int, dtype: torch.dtype) -> tuple:
     """Inputs whose step sums of 8-bit value products are the largest possible: every key code and
-    group parameter equal (every p = 1), every value code bit set, one value scale for all tokens
-    (every 8-bit part of p is 127). One sequence of 3 groups, nothing else."""
+    group parameter equal (every p = 1), every value code at its largest, one value scale for all
+    tokens (every 8-bit part of p is 127). One sequence of 3 groups, nothing else."""
     args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0],
                               value_bits=value_bits))  # fmt: skip
     for index in (5, 6):  # key codes
         args[index] = torch.zeros_like(args[index])
     for index in (7, 8):  # key scales and zeros: group 0's everywhere
         args[index] = args[index][:, :, :1].expand_as(args[index]).contiguous()
-    args[9] = torch.full_like(args[9], -1)  # every value code bit
+    args[9] = values_to_operand_order(torch.full_like(args[9], -1), 128)  # every value code bit (plain words)
     args[10] = torch.full_like(args[10], 0.25)  # value scales
     return tuple(args)
 
@@ -355,8 +371,10 @@ def test_largest_value_sums_are_well_formed():
 @requires_cuda
 @pytest.mark.parametrize("value_bits", [2, 4])
 def test_largest_value_sums_fit_int32_on_cuda(value_bits):
-    """The largest integer value sums of a step (2-bit values at 128 tokens, 4-bit at 64: 93% of
-    int32) come out right."""
+    """Large integer value sums of a step come out right: every code at its largest (the field
+    words' rows read 4^k * 3, the top fields 64; 2-bit values at 128 tokens: 128 x 127 x 64 x 128 =
+    1.3e8, 6% of int32; 4-bit at 64 tokens 15%). With bit planes these were the largest sums (93%
+    of int32); the largest magnitude now is a top-field code 0 (-128), twice these."""
     args = on_cuda(largest_value_sums(value_bits, torch.float16))
     want = decode_attention_reference(*args).float()
     torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
