@@ -309,8 +309,9 @@ programs on 528 slots took 408 µs, 512 programs 305 µs)."""
 
 
 def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> int:
-    """The fewest splits whose programs fill every program slot of the device (``slots`` =
-    ``PROGRAMS_PER_MULTIPROCESSOR`` per multiprocessor) in waves at least ``MIN_WAVE_FILL``
+    """Splits whose programs fill the program slots of the device (``slots`` =
+    ``PROGRAMS_PER_MULTIPROCESSOR`` per multiprocessor): the most that fit in one wave if they fill
+    it at least ``MIN_WAVE_FILL``, else the fewest that fill every slot in waves at least that
     full; at most one per chunk and 128."""
     slots = PROGRAMS_PER_MULTIPROCESSOR * _multiprocessors(query.device.index) if query.is_cuda else 2
     return _wave_filling_splits(slots, kv_programs, max_chunks)
@@ -320,6 +321,11 @@ def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> i
 def _wave_filling_splits(slots: int, kv_programs: int, max_chunks: int) -> int:
     """:func:`_default_splits`'s search, done once per shape (the launch runs every decode step)."""
     limit = max(1, min(max_chunks, 128))
+    # One wave, as many splits as fit: the fewest groups per split (more splits in one wave only
+    # shorten each; fewer leave slots idle or, at ceil(groups / splits), lengthen the longest).
+    one_wave = min(limit, slots // kv_programs)
+    if one_wave >= 1 and kv_programs * one_wave >= MIN_WAVE_FILL * slots:
+        return one_wave
     for splits in range(1, limit + 1):
         programs = kv_programs * splits
         if programs >= slots and programs >= MIN_WAVE_FILL * slots * math.ceil(programs / slots):

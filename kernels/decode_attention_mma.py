@@ -832,8 +832,22 @@ def _decode_split_kernel_mma(
 
 
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
-    """Split count: the splits fill 4 program slots per multiprocessor in waves at least 95% full
-    (``group_size`` is not used by this rule; earlier rules did, and the callers pass it).
+    """Split count: :func:`~.decode_attention._wave_filling_splits` over 4 program slots per
+    multiprocessor: the most splits that fit in one wave if they fill it at least 95%, else the fewest
+    that fill every slot in waves at least 95% full (``group_size`` is not used by this rule; earlier
+    rules did, and the callers pass it).
+
+    Until the twenty-seventh session only the second part applied, so at batch 8 (64 KV programs on
+    528 slots) the rule took 16 splits, two waves, where 8 fill one wave to 97%; at batch 32 4 where 2
+    do, at batch 64 2 where 1 does (batch 1: 66 either way). Measured on an H200 with the 2-bit value
+    fields (bf16, ``benchmarks/bench_attention.py``, two calls on one machine, SDPA within 1% in both;
+    ``benchmarks/results/bench_attention_value_fields.json`` against ``bench_attention_one_wave_splits.json``),
+    the old counts' time over the new: pnmix-1 batch 8 1.23x / 1.08x / 1.04x / 1.02x (4K / 16K / 32K /
+    64K; 22.1 against 17.9 us at 4K), batch 32 1.12x / 1.02x / 1.01x / 1.00x, batch 64 1.03x / 1.00x /
+    0.99x / 0.98x; pnmix-2 and kivi-2 alike (0.99-1.22x). The Triton kernel at batch 8 to 64 (same
+    rule): 0.98-1.04x. A first form, the fewest splits filling one wave to 95%, took 63 at batch 1,
+    whose longest split then held more groups (pnmix-1 at 32K: 5 of 256 against 4): 3-13% slower at
+    16K to 64K (that run's batch-1 rows are not this rule's).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
@@ -852,7 +866,6 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     ``benchmarks/results/kernel_ab_adjacent_pairs.json``; us at 4 slots, then 2 and 3): pnmix-1 batch
     1 / 32K 19.3 (19.5, 21.8), batch 8 / 16K 60.3 (57.3, 59.4), batch 32 / 32K 388.9 (389.8, 397.5);
     batch 580 / 8K fills the GPU at any count (1,731.0); pnmix-2 batch 1 / 32K 24.8 (27.4, 28.5).
-    Two slots win only at batch 8 (5%): the rule stays.
     """
     return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
 

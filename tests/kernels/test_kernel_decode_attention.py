@@ -4,7 +4,7 @@ import pytest
 import torch
 from kernel_cases import LAYOUTS, decode_inputs, mask_of, seeded
 
-from pnmix_patch.kernels.decode_attention import decode_attention_reference, triton_decode_attention
+from pnmix_patch.kernels.decode_attention import _wave_filling_splits, decode_attention_reference, triton_decode_attention
 from pnmix_patch.quantize import dequantize_keys, dequantize_values
 
 # The interpreter evaluates masked-off lanes with numpy, which warns about inf - inf or 1 / 0.
@@ -77,6 +77,18 @@ def test_decode_split_merge(num_splits):
         generator, "pnmix-2", 64, 7, torch.float32, sink_len=[32, 3], num_groups=[3, 1], residual_len=[100, 1]
     )
     check(args, torch.float32, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "kv_programs, max_chunks, splits",
+    [(8, 256, 66), (64, 128, 8), (256, 512, 2), (512, 128, 1), (4640, 64, 1), (160, 512, 13), (8, 32, 32), (8, 40, 40)],
+)  # fmt: skip
+def test_split_count_fills_one_wave_or_whole_waves(kv_programs, max_chunks, splits):
+    """On 528 program slots (an H200 at 4 per multiprocessor): the most splits that fit in one wave
+    when they fill 95% of it (8 KV programs: 66; 64: 8, not the 16 of two full waves), else the fewest
+    whose waves are 95% full (160: 3 would fill 91% of one wave, 13 fill four waves to 98%); never
+    more than the chunks."""
+    assert _wave_filling_splits(528, kv_programs, max_chunks) == splits
 
 
 def test_decode_empty_segments():
