@@ -5,8 +5,11 @@ prefill with exact attention, then 1,200 tokens teacher-forced one at a time thr
 the PN-Mix cache; compared with one full-precision forward pass.
 
     python benchmarks/fidelity_spec.py pnmix-1 kivi-2 [...]
+    python benchmarks/fidelity_spec.py pnmix-1 --model FILE.gguf --device cuda --dtype bfloat16 --tag h200_bf16
 
-Writes ``benchmarks/results/fidelity_spec_<preset>.json``.
+Writes ``fidelity_spec_<preset>[_<tag>].json`` under ``--out`` (default ``benchmarks/results``). On CUDA
+with fp16/bf16 the decode steps run the library's GPU kernels (the Gluon decode kernel where it
+applies), so the same setting checks them on real weights against the CPU reference's figures.
 """
 
 from __future__ import annotations
@@ -34,12 +37,19 @@ def main() -> None:
     parser.add_argument("variants", nargs="+", choices=sorted(VARIANTS))
     parser.add_argument("--tokens", type=int, default=1400)
     parser.add_argument("--prefill", type=int, default=200)
+    parser.add_argument("--model", default="smollm2", help="'smollm2' (the embedded model) or a .gguf file of it")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--tag", default="", help="suffix of the JSON file names")
     args = parser.parse_args()
-    model, tokenizer = load_model()
-    ids = tokenizer(hamlet_text(), return_tensors="pt").input_ids[:, : args.tokens]
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    ids = tokenizer(hamlet_text(), return_tensors="pt").input_ids[:, : args.tokens].to(args.device)
     reference = reference_logits(model, ids)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    RESULTS.mkdir(exist_ok=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name(ids.device) if ids.is_cuda else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
     for name in args.variants:
         started = time.perf_counter()
         result = teacher_force(model, ids, VARIANTS[name], args.prefill, reference)
@@ -51,9 +61,10 @@ def main() -> None:
             "seconds": round(time.perf_counter() - started, 1),
             "date": time.strftime("%Y-%m-%d"),
             "commit": commit,
-            "hardware": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+            "hardware": f"{device}, torch {torch.__version__}",
+            "dtype": args.dtype,
         }
-        (RESULTS / f"fidelity_spec_{name}.json").write_text(json.dumps(result, indent=2, default=str))
+        (out / f"fidelity_spec_{name}{'_' + args.tag if args.tag else ''}.json").write_text(json.dumps(result, indent=2, default=str))
         print(
             f"{name}: top-1 {result['top1_agreement']:.3f}  KL {result['mean_kl']:.4g}  ppl {result['perplexity']:.1f} "
             f"(fp ppl {result['reference_perplexity']:.1f})  key bits {result['memory']['key_bits_per_element']:.4f}",
