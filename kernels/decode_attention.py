@@ -323,8 +323,8 @@ def _wave_filling_splits(slots: int, kv_programs: int, max_chunks: int) -> int:
     limit = max(1, min(max_chunks, 128))
     # One wave, as many splits as fit: the fewest groups per split (more splits in one wave only
     # shorten each; fewer leave slots idle or, at ceil(groups / splits), lengthen the longest).
-    one_wave = min(limit, slots // kv_programs)
-    if one_wave >= 1 and kv_programs * one_wave >= MIN_WAVE_FILL * slots:
+    one_wave = min(limit, slots // max(kv_programs, 1))
+    if kv_programs and one_wave >= 1 and kv_programs * one_wave >= MIN_WAVE_FILL * slots:
         return one_wave
     for splits in range(1, limit + 1):
         programs = kv_programs * splits

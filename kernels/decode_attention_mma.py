@@ -170,6 +170,14 @@ def step_tokens(group_size: int, value_bits: int) -> int:
     return 128 if group_size % 128 == 0 and value_bits <= 2 else 64
 
 
+def top_field_correction(value_bits: int) -> float:
+    """What a top-field row (channel % 4 == 3) of the value operands reads short of the code: its
+    field words' high bits are stored inverted, so each reads ``code - 2`` and the Horner sum over the
+    ``b/2`` field words (weights 4^m) ``code - 2 * (4^(b/2) - 1) / 3``: 2 for 2-bit values, 10 for
+    4-bit ones. The kernel adds this times ``sum(p * scale)`` to those rows."""
+    return 2.0 * ((1 << value_bits) - 1) / 3.0
+
+
 def paired_columns(ratio: int) -> bool:
     """Whether the MMA's 8 columns hold each of the ``ratio`` query heads twice, its high and low 8-bit
     parts side by side (at most 4 heads per KV head; see the kernel)."""
@@ -551,7 +559,8 @@ def _decode_split_kernel_mma(
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
-    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr, PDL: gl.constexpr = False,
+    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr, TOP_CORRECTION: gl.constexpr,
+    PDL: gl.constexpr = False,
 ):
     pid_bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -658,8 +667,8 @@ def _decode_split_kernel_mma(
     rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
     value_unit = gl.expand_dims(gl.exp2(-2.0 * (rows_acc % 4).to(gl.float32)), 1)
     value_mask = gl.expand_dims(0x03030303 << (2 * (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 4)), 1)
-    # The top fields' rows read every code of a pair as code - 2: 2 * sum over pairs m of 4^m = 2 (2^b - 1) / 3.
-    value_top = gl.expand_dims(gl.where(rows_acc % 4 == 3, 2.0 * ((1 << BITS_V) - 1) / 3.0, 0.0), 1)
+    # The top fields' rows read each code short by TOP_CORRECTION (top_field_correction).
+    value_top = gl.expand_dims(gl.where(rows_acc % 4 == 3, TOP_CORRECTION, 0.0), 1)
     no_values = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
     l_rows = gl.zeros([T, QUERY_ROWS], gl.float32, layout=SCORES)  # per-thread partial sums over the packed tokens, see below
     zero_rows = l_rows
@@ -846,8 +855,8 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     64K; 22.1 against 17.9 us at 4K), batch 32 1.12x / 1.02x / 1.01x / 1.00x, batch 64 1.03x / 1.00x /
     0.99x / 0.98x; pnmix-2 and kivi-2 alike (0.99-1.22x). The Triton kernel at batch 8 to 64 (same
     rule): 0.98-1.04x. A first form, the fewest splits filling one wave to 95%, took 63 at batch 1,
-    whose longest split then held more groups (pnmix-1 at 32K: 5 of 256 against 4): 3-13% slower at
-    16K to 64K (that run's batch-1 rows are not this rule's).
+    whose longest split then held more groups (pnmix-1 at 32K: 5 of 256 against 4): 1.03-1.15x the
+    time at 16K to 64K (that run's batch-1 rows are not this rule's).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
@@ -892,6 +901,7 @@ def kernel_constants(
     return dict(
         RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
+        TOP_CORRECTION=top_field_correction(bits_value),
         W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
         SCORE_PLANES=score_planes,
         STAGES=stages,

@@ -1,4 +1,4 @@
-"""Triton value quantizer: per-token min-max over groups of channels, packed into bit planes.
+"""Triton value quantizer: per-token min-max over groups of channels, packed into bit planes and 2-bit fields.
 
 Produces exactly :func:`pnmix_patch.quantize.quantize_values` (same shapes and dtypes,
 bit-identical codes, scales and zeros). Used when the residual buffer is flushed.
@@ -31,8 +31,8 @@ from pnmix_patch.quantize import check_token_block, quantize_values, scale_dtype
 from .common import encode, minmax_scale_zero, transpose_byte_quads
 
 BLOCK_T = 16
-FIELD_SIGN_FLIP = tl.constexpr(_FIELD_SIGN_FLIP)
 """Tokens per program: a multiple of 4 (the runs of four tokens whose words are transposed)."""
+FIELD_SIGN_FLIP = tl.constexpr(_FIELD_SIGN_FLIP)
 
 
 @triton.jit

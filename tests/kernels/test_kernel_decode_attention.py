@@ -79,15 +79,25 @@ def test_decode_split_merge(num_splits):
     check(args, torch.float32, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("value_bits", [1, 3, 4])
+def test_decode_value_widths(value_bits):
+    """Value codes of 1 and 3 bits (a last bit plane; the Triton kernel serves them on GPU too) and 4
+    bits (two field words), at a head dim that is not a power of two."""
+    args = decode_inputs(seeded(value_bits), "pnmix-1", 96, 4, torch.float32, sink_len=[3, 0], num_groups=[2, 1],
+                         residual_len=[5, 128], value_bits=value_bits)  # fmt: skip
+    check(args, torch.float32)
+
+
 @pytest.mark.parametrize(
     "kv_programs, max_chunks, splits",
-    [(8, 256, 66), (64, 128, 8), (256, 512, 2), (512, 128, 1), (4640, 64, 1), (160, 512, 13), (8, 32, 32), (8, 40, 40)],
+    [(8, 256, 66), (64, 128, 8), (256, 512, 2), (512, 128, 1), (4640, 64, 1), (160, 512, 13), (8, 32, 32), (8, 40, 40),
+     (0, 64, 64)],
 )  # fmt: skip
 def test_split_count_fills_one_wave_or_whole_waves(kv_programs, max_chunks, splits):
     """On 528 program slots (an H200 at 4 per multiprocessor): the most splits that fit in one wave
     when they fill 95% of it (8 KV programs: 66; 64: 8, not the 16 of two full waves), else the fewest
     whose waves are 95% full (160: 3 would fill 91% of one wave, 13 fill four waves to 98%); never
-    more than the chunks."""
+    more than the chunks; an empty batch (0 programs) gets the old rule's answer, no error."""
     assert _wave_filling_splits(528, kv_programs, max_chunks) == splits
 
 

@@ -87,6 +87,25 @@ def test_value_field_words_are_8_bit_operands(seed):
         assert int8_elements(register) == want
 
 
+@pytest.mark.parametrize("value_bits", [2, 4])
+def test_value_operands_rebuild_the_codes(value_bits):
+    """The kernel's value arithmetic on a cache's field words, emulated: the int8 of ``byte & 3 << 2k``
+    (channel row c, k = c % 4) of each field word, Horner's scheme over the words (times 4, top word
+    first), the row weight ``4^-k`` and, on top-field rows, :func:`top_field_correction` added back
+    give every code exactly."""
+    codes = torch.randint(0, 2**value_bits, (8, 64), generator=torch.Generator().manual_seed(value_bits))
+    words = planes_to_fields(pack_bits(codes, value_bits)).reshape(8, value_bits // 2, 4)  # [token, field word m, u]
+    channel = torch.arange(64)
+    k = channel % 4
+    byte_of = ((words[:, :, channel // 16] >> (8 * ((channel % 16) // 4))) & 0xFF)  # [token, m, channel]
+    reading = (byte_of & (3 << (2 * k))).to(torch.uint8).view(torch.int8).to(torch.float64)
+    horner = torch.zeros(8, 64, dtype=torch.float64)
+    for m in range(value_bits // 2 - 1, -1, -1):
+        horner = horner * 4 + reading[:, m]
+    rebuilt = horner * 4.0 ** -k + torch.where(k == 3, mma.top_field_correction(value_bits), 0.0)
+    assert torch.equal(rebuilt, codes.to(torch.float64))
+
+
 @pytest.mark.parametrize("tokens", [64, 128])
 def test_byte_layouts_split_the_8_bit_operand(tokens):
     """The key and value byte layouts are the 8-bit A-operand layout (as Triton 3.7 prints it for
