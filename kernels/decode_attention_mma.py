@@ -51,14 +51,19 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   of ``STAGES - 1`` groups in flight while one is computed: the operands are read from the buffer
   itself, which is refilled once every warp is done with it (the 16-bit scales and zeros, whose
   alignment ``cp.async`` cannot assume, go through registers and are stored when the group is
-  done). Without staging the kernel waited on memory: the same instructions took 1.5-2x as long.
+  done). The value words' buffer is swizzled (:func:`value_shared_layout`). Without staging the
+  kernel waited on memory: the same instructions took 1.5-2x as long.
   Until the cache stored its words in operand order, each group was byte-transposed from one
   shared buffer into another (``PRMT``): 1.19-1.21x the time at batch 32 for pnmix-1
   (``benchmarks/results/pretransposed_codes.json``).
-- Four barriers per step of a group: codes arrived; query operands stored;
-  the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. (Triton's own cross-warp
-  reductions take two each, and its barrier analysis adds one before writes into a buffer that
-  was read since the last barrier, hence the order of the loop.)
+- Three barriers per step of a group: the group's codes arrived (and its query operands are
+  stored); the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A group's query
+  operands and factors (:func:`_group_operands`) are made during the value products of the group
+  before, where they fill the products' wait; the next copies are started and the stage's scales
+  and zeros refilled after the second barrier, once every warp is done with them. (Triton's own
+  cross-warp reductions take two barriers each, and its barrier analysis adds one between a write
+  and a read of one buffer, in either order, with no barrier between them: hence the order of the
+  loop.)
 - Shared buffers are written one whole buffer per operation: Triton fences every write to a buffer
   that is read or written nearby with a barrier, whatever part of the buffer it touches.
 - The words are read in a layout that is the A-operand layout with rows and columns
@@ -312,6 +317,25 @@ def value_copy_layout(group_size: int) -> gl.BlockedLayout:
     return gl.BlockedLayout([1, 4], [32 // lanes, lanes], [NUM_WARPS, 1], [1, 0])
 
 
+def value_shared_layout(group_size: int, tokens: int) -> gl.SwizzledSharedLayout:
+    """Shared layout of a group's value words ``[b_V * D / 32 * 4, G / 4]`` (rows of ``G`` bytes), read
+    in column slices of ``tokens / 4`` words: 16-byte chunks (the copy's) swizzled within both.
+
+    Each 8x8 matrix of an ``ldmatrix`` of the value operands reads the same 16 bytes of two adjacent
+    word rows (its eight row addresses: lanes that differ only in a channel's 2-bit field share a
+    word). Unswizzled, with rows of 128 bytes (``G`` = 128), both fall in the same four banks: two
+    wavefronts per matrix. Measured on an H200 (pnmix-1, bf16, batch 32 / 32K, Nsight Compute,
+    ``benchmarks/results/ncu_decode_kernel_rcp_b32_t32768_opcodes.json``): the kernel's ``ldmatrix.x4``
+    took 6.46 wavefronts each instead of 4 (by the instruction counts, 8 for the value operands'
+    and 4 for the others'), 40% of its shared-memory wavefronts, and the L1 was its busiest unit
+    (86.5% of its peak). Swizzled, Nsight Compute reports no bank conflict of shared loads
+    (``ncu_decode_kernel_swizzled_b32_t32768.txt``) and the kernel takes 0.91-0.95x the time for
+    pnmix-1, 0.92-0.96x for kivi-2 (``kernel_ab_swizzled_values.json``); 64-token groups (pnmix-2),
+    two rows per 128 bytes, had no conflict to remove (1.00-1.01x)."""
+    per_phase = max(1, 128 // group_size)
+    return gl.SwizzledSharedLayout(4, per_phase, max(1, min(8, group_size // 16, tokens // 16)), [1, 0])
+
+
 BYTES_ASM = gl.constexpr("and.b32 $0, $1, $5;")
 """PTX of one register of an 8-bit operand: a word in operand order ANDed with ``0x01010101 << j``
 (keys) or ``0x03030303 << 2k`` (values) (``$1..$4`` are the word, ``$5..$8`` the mask, four times
@@ -469,6 +493,73 @@ def _query_operands(query_high_smem, query_low_smem, x, inverse, ROWS: gl.conste
 
 
 @gluon.jit
+def _operand_inverse(peak):
+    """``127 / peak`` (``peak >= 0``, the largest magnitude an 8-bit operand's column holds), 0 where
+    ``peak`` is 0 or below float32's smallest normal: one ``rcp.approx`` (within 1 ulp, about 2^-23)
+    in place of the division's ten instructions with their range checks. The operands are exact
+    to within that factor: ``y`` may pass 127 by 127 * 2^-22, which still rounds to 127, and the
+    result is scaled back by ``peak`` itself, not by the inverse. Measured on an H200 against the
+    division (bf16, ``benchmarks/results/kernel_ab_rcp_inverse.json``): 0.96-0.99x the time for pnmix-1
+    (1.01x at batch 580), 0.98-0.99x for kivi-2, 0.99-1.00x for pnmix-2; the same errors."""
+    reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [peak], gl.float32, True, 1)
+    return gl.where(peak >= 1.1754943508222875e-38, 127.0 * reciprocal, 0.0)
+
+
+@gluon.jit
+def _group_operands(key_param_smem, value_param_smem, stage, q_high, q_low, query_hh_smem, query_hl_smem,
+                    query_lh_smem, query_ll_smem, column_scale_smem, column_offset_smem, value_unit,
+                    D: gl.constexpr, G: gl.constexpr, W_HIGH: gl.constexpr, QUERY_ROWS: gl.constexpr,
+                    PAIRED: gl.constexpr, QUERY: gl.constexpr, GROUP_PER_WARP: gl.constexpr):
+    """The operands of the key group whose scales and zeros are in ``stage``: the 8-bit query operands
+    of both key tiles and the columns' score scale and offset, stored to shared memory (``q_high``,
+    ``q_low``: the query of each tile's channels times ``qk_scale``, ``[QUERY_ROWS, W]``); returned,
+    the values' factors: the inverse that makes ``p * token scale`` 8-bit (:func:`_split_8bit`) and the
+    accumulators' scale per channel row (``value_unit`` times the group's largest token scale / (127 *
+    128)). Needs no barrier of its own: the kernel calls it where every warp is done with the previous
+    group's operands, after the value products in source order (``ptxas`` then interleaves the two;
+    placed before them, its shared stores kept the products' shared loads waiting: sm_90 machine
+    code of Triton 3.6). Measured on an H200 against
+    making them after a barrier at the start of the group (bf16,
+    ``benchmarks/results/kernel_ab_pipelined_operands.json``): pnmix-1 0.97-1.01x the time (batch 32 /
+    32K 316.4 -> 314.5 us), kivi-2 0.98-1.00x, pnmix-2 0.97-1.02x."""
+    W_LOW: gl.constexpr = D - W_HIGH
+    # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of one
+    # scale per column (its largest |q * scale| is 127). Scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
+    key_params = key_param_smem.index(stage).reshape([2 * D])
+    value_params = value_param_smem.index(stage).reshape([2 * G])
+    # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
+    value_peak = gl.max(value_params.slice(0, G).load(GROUP_PER_WARP).to(gl.float32), 0)
+    value_inverse = _operand_inverse(value_peak)
+    value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
+    # Per column: the largest |q * scale| and sum(q * zero), one reduction each.
+    if W_HIGH > 0:
+        x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        terms = gl.abs(x_high)
+        offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+    if W_LOW > 0:
+        x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        low_terms = gl.abs(x_low)
+        low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        if W_HIGH > 0:
+            terms = gl.maximum(terms, low_terms)
+            offsets += low_offsets
+        else:
+            terms = low_terms
+            offsets = low_offsets
+    peak = gl.max(terms, 1)
+    k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
+    inverse = gl.expand_dims(_operand_inverse(peak), 1)
+    if W_HIGH > 0:
+        _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, QUERY_ROWS, PAIRED)
+    if W_LOW > 0:
+        _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, QUERY_ROWS, PAIRED)
+    # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
+    column_scale_smem.store(peak * (1.0 / (127.0 * 128.0)))
+    column_offset_smem.store(k_offset)
+    return value_inverse, value_scale
+
+
+@gluon.jit
 def _column_max(scores, max_smem, PARTIALS: gl.constexpr, SCORES: gl.constexpr):
     """The maximum of each column of ``scores`` ``[T, N]`` (layout ``SCORES``: the MMA accumulators' or
     :func:`heads_layout`; warp w holds rows 16w + 64k .. 16w + 64k + 15), in ``gl.SliceLayout(0,
@@ -557,7 +648,7 @@ def _decode_split_kernel_mma(
     KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
     VALUE_BYTES: gl.constexpr,
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
-    STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, PARAMS_D: gl.constexpr,
+    STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, VALUE_SHARED: gl.constexpr, PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
     SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr, TOP_CORRECTION: gl.constexpr,
     PDL: gl.constexpr = False,
@@ -610,7 +701,7 @@ def _decode_split_kernel_mma(
     key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)
     key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, D], SHARED_2D)  # [stage, 0]: scales, [stage, 1]: zeros
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
-    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS * 4, G // 4], SHARED_2D)
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS * 4, G // 4], VALUE_SHARED)
     # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step
     # (both parts in p_high_smem when PAIRED).
     p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
@@ -650,6 +741,10 @@ def _decode_split_kernel_mma(
         query_ll_smem = query_lh_smem
         if not PAIRED:
             query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
+    if W_HIGH == 0:  # placeholders of the absent tile (never read)
+        q_high, query_hh_smem, query_hl_smem = q_low, query_lh_smem, query_ll_smem
+    if W_LOW == 0:
+        q_low, query_lh_smem, query_ll_smem = q_high, query_hh_smem, query_hl_smem
     # Per query head and group: the scores' scale and offset, handed to the scores' layout in shared memory.
     column_scale_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
     column_offset_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
@@ -684,59 +779,25 @@ def _decode_split_kernel_mma(
         params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
                                     D, G, PARAMS_D, PARAMS_G)  # fmt: skip
         _store_group_params(key_param_smem, value_param_smem, i, params)
+    # The first group's operands; each later group's are made during the value products of the one before.
+    value_inverse, value_scale = _group_operands(
+        key_param_smem, value_param_smem, 0, q_high, q_low, query_hh_smem, query_hl_smem, query_lh_smem, query_ll_smem,
+        column_scale_smem, column_offset_smem, value_unit, D, G, W_HIGH, QUERY_ROWS, PAIRED, QUERY, GROUP_PER_WARP,
+    )  # fmt: skip
     for group in range(group_start, group_end):
-        # Wait for this group's codes (the next STAGES - 2 groups' copies stay in flight); the
-        # barrier also ends the last iteration's reads of its stage's words and of the operands.
+        # Wait for this group's codes (the next STAGES - 2 groups' copies stay in flight); the barrier
+        # also makes the group's query operands visible and ends the last iteration's reads of its
+        # stage's words.
         async_copy.wait_group(STAGES - 2)
         _barrier()
         stage = (group - group_start) % STAGES
-        # Every warp is done with the last group's stage: refill it with group + STAGES - 1.
-        ahead = group + STAGES - 1
-        _copy_group_codes(key_smem, value_smem, (ahead - group_start) % STAGES, ahead, ahead < group_end, kc_high, kc_low,
-                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
-        async_copy.commit_group()
-        key_words = key_smem.index(stage)
-        value_words = value_smem.index(stage)
-        # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of
-        # one scale per column (its largest |q * scale| is 127).
-        # This stage's scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
-        key_params = key_param_smem.index(stage).reshape([2 * D])
-        value_params = value_param_smem.index(stage).reshape([2 * G])
-        # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-        value_peak = gl.max(value_params.slice(0, G).load(GROUP_PER_WARP).to(gl.float32), 0)
-        value_inverse = gl.where(value_peak > 0.0, 127.0 / value_peak, 0.0)
-        value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
-        # Per column: the largest |q * scale| and sum(q * zero), one reduction each.
-        if W_HIGH > 0:
-            x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
-            terms = gl.abs(x_high)
-            offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
-        if W_LOW > 0:
-            x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
-            low_terms = gl.abs(x_low)
-            low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
-            if W_HIGH > 0:
-                terms = gl.maximum(terms, low_terms)
-                offsets += low_offsets
-            else:
-                terms = low_terms
-                offsets = low_offsets
-        peak = gl.max(terms, 1)
-        k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
-        inverse = gl.expand_dims(gl.where(peak > 0.0, 127.0 / peak, 0.0), 1)
-        if W_HIGH > 0:
-            _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, QUERY_ROWS, PAIRED)
-        if W_LOW > 0:
-            _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, QUERY_ROWS, PAIRED)
-        # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
-        column_scale = peak * (1.0 / (127.0 * 128.0))
-        column_scale_smem.store(column_scale)
-        column_offset_smem.store(k_offset)
-        _barrier()  # the query operands and the column factors are in shared memory
         # Start reading the scales and zeros of group + STAGES (they wait in registers until this
         # group is done with the stage's).
-        ahead = group + STAGES
-        params = _load_group_params(ahead, ahead < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
+        params = _load_group_params(group + STAGES, group + STAGES < group_end, k_scale, k_zero, v_scale, v_zero,
+                                    D, G, PARAMS_D, PARAMS_G)  # fmt: skip
+        key_words = key_smem.index(stage)
+        value_words = value_smem.index(stage)
+        value_params = value_param_smem.index(stage).reshape([2 * G])
         key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
         k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, SCORES)), 0)
         if W_HIGH > 0:
@@ -772,6 +833,18 @@ def _decode_split_kernel_mma(
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, SCORES))
+            if step == G // T - 1:
+                # _column_max's barrier ended every warp's reads of this group's key words and of its
+                # stage's scales and zeros: refill the last group's stage with the codes of group +
+                # STAGES - 1, and this stage with the scales and zeros of group + STAGES. (Here rather
+                # than after the barrier that opens the group, where the copy would need one of its
+                # own before the key words are read: a buffer written and then read, in any part, is
+                # fenced by a barrier.)
+                ahead = group + STAGES - 1
+                _copy_group_codes(key_smem, value_smem, (ahead - group_start) % STAGES, ahead, ahead < group_end, kc_high,
+                                  kc_low, v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
+                async_copy.commit_group()
+                _store_group_params(key_param_smem, value_param_smem, stage, params)
             alpha = gl.exp2(m_i - m_new)
             alpha_row = gl.expand_dims(alpha, 0)
             p = gl.exp2(scores - gl.expand_dims(m_new, 0))
@@ -814,7 +887,16 @@ def _decode_split_kernel_mma(
             alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
             acc = acc * alpha_acc + (v_high * 128 + v_low).to(gl.float32) * value_scale
             m_i = m_new
-        _store_group_params(key_param_smem, value_param_smem, stage, params)
+            if step == G // T - 1:
+                # The next group's operands, independent of this group's value products (the barriers
+                # above ended every warp's reads of the query operands and column factors of this group).
+                next_value_inverse, next_value_scale = _group_operands(
+                    key_param_smem, value_param_smem, (group + 1 - group_start) % STAGES, q_high, q_low, query_hh_smem,
+                    query_hl_smem, query_lh_smem, query_ll_smem, column_scale_smem, column_offset_smem, value_unit,
+                    D, G, W_HIGH, QUERY_ROWS, PAIRED, QUERY, GROUP_PER_WARP,
+                )  # fmt: skip
+        value_inverse = next_value_inverse
+        value_scale = next_value_scale
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
@@ -906,6 +988,7 @@ def kernel_constants(
         SCORE_PLANES=score_planes,
         STAGES=stages,
         COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(group_size),
+        VALUE_SHARED=value_shared_layout(group_size, tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),
         PARAMS_D=params, PARAMS_G=params,

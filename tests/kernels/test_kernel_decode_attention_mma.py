@@ -181,6 +181,27 @@ def test_key_copy_layout_holds_each_quad_once(layout, head_dim):
     assert all(size % extent == 0 for size, extent in zip(shape, tile))
 
 
+@pytest.mark.parametrize("group_size, value_bits", [(64, 2), (128, 2), (128, 4), (256, 2)])
+def test_value_words_swizzle_puts_paired_rows_in_other_banks(group_size, value_bits):
+    """The value words' shared layout keeps the copy's 16-byte chunks whole and puts the same chunk of
+    word rows 2i and 2i + 1 (the two rows an ``ldmatrix`` matrix of the value operands reads) in
+    different banks, within every column slice a step reads. Chunk address as Triton swizzles it:
+    chunk ``c`` of row ``r`` lands at ``c ^ (r // per_phase % max_phase)``."""
+    tokens = mma.step_tokens(group_size, value_bits)
+    layout = mma.value_shared_layout(group_size, tokens)
+    assert layout.vec == 4 and layout.order == [1, 0]
+    rows, chunks = value_bits * 128 // 32 * 4, group_size // 16  # head dim 128; 16-byte chunks per row
+
+    def bank_group(row: int, chunk: int) -> int:  # which 16-byte quarter of a 128-byte bank line
+        swizzled = chunk ^ (row // layout.per_phase % layout.max_phase)
+        assert swizzled // (tokens // 16) == chunk // (tokens // 16)  # stays in its step's column slice
+        return (row * group_size + 16 * swizzled) // 16 % 8
+
+    for row in range(0, rows, 2):
+        for chunk in range(chunks):
+            assert bank_group(row, chunk) != bank_group(row + 1, chunk)
+
+
 @pytest.mark.parametrize("head_dim, num_high, width", [(128, 64, 64), (128, 52, 64), (128, 128, 128), (128, 0, 0),
                                                         (64, 26, 32), (128, 70, 128)])
 def test_high_tile_width(head_dim, num_high, width):
