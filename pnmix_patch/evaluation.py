@@ -46,13 +46,12 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .api import new_cache, patch_model, unpatch_model
 from .attention import chunk_attention
 from .cache import PNMixCache, PNMixLayer, summarize_memory
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
-from .fidelity import reference_logits, teacher_force
+from .fidelity import progress_bar, reference_logits, teacher_force
 
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
 """Average key bits of the bit-rate sweep (codes + 16-bit scale and zero per channel per group)."""
@@ -319,9 +318,9 @@ def attention_kl(captured: dict, config: PNMixConfig, context: int, progress: bo
     if not 0 < context < total:
         raise ValueError(f"context={context} is invalid: allowed 1 .. {total - 1} (the captured tokens minus one query)")
     scaling, per_layer, parts = captured["scaling"], [], None
-    for query, key, value in tqdm(
+    for query, key, value in progress_bar(
         list(zip(captured["query"], captured["key"], captured["value"])),
-        desc=f"attention KL {config.name}", unit="layer", disable=not progress, leave=False,
+        desc=f"attention KL {config.name}", unit="layer", progress=progress, leave=False,
     ):
         layer = PNMixLayer(config, captured["pairing"])
         layer.attend(query[:, :, :context], key[:, :, :context], value[:, :, :context], None, scaling)
@@ -369,7 +368,7 @@ def generate_reference(model, tokenizer, prompts: dict[str, str], tokens: int, p
     fraction means the greedy text loops, which makes next tokens easy to agree on).
     """
     references = {}
-    for name, prompt in tqdm(prompts.items(), desc="full-precision generation", unit="prompt", disable=not progress):
+    for name, prompt in progress_bar(prompts.items(), desc="full-precision generation", unit="prompt", progress=progress):
         ids = chat_prompt_ids(tokenizer, prompt)
         output = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
@@ -581,7 +580,7 @@ def passkey_retrieval(
     built = make_passkey_trials(tokenizer, length, trials, seed)
     filler = capture_prefill(model, torch.tensor([built["filler_ids"]]), chunk_size=chunk_size)
     pending = [built["trials"][index] for index in missing]
-    bar = tqdm(total=len(pending), desc=f"passkey {length} tokens", unit="trial", disable=not progress)
+    bar = progress_bar(total=len(pending), desc=f"passkey {length} tokens", unit="trial", progress=progress)
     while pending:  # batches of trials of equal prompt length
         batch = [t for t in pending if len(t["ids"]) == len(pending[0]["ids"])][:batch_size]
         pending = [t for t in pending if t not in batch]
@@ -796,7 +795,7 @@ def run_evaluation(
     if "attention_kl" in metrics and pending:
         captured = capture_attention_inputs(model, _kl_text_ids(tokenizer, context + queries))
         done = results.setdefault("attention_kl", {})
-        for name in tqdm(pending, desc="attention KL", unit="method", disable=not progress):
+        for name in progress_bar(pending, desc="attention KL", unit="method", progress=progress):
             started = time.perf_counter()
             done[name] = attention_kl(captured, METHODS[name], context, progress) | _method_record(name, started)
             owned.add(("attention_kl", name))
@@ -814,7 +813,7 @@ def run_evaluation(
             owned.add(("long_output_references",))
             save()
         references = {name: results["long_output_references"][name] for name in chosen}
-        for name in tqdm(pending, desc="long-output fidelity", unit="method", disable=not progress):
+        for name in progress_bar(pending, desc="long-output fidelity", unit="method", progress=progress):
             started = time.perf_counter()
             before = results.get("long_output", {}).get(name, {})
             record = long_output_fidelity(model, references, METHODS[name], progress, before.get("per_prompt"))
@@ -855,7 +854,7 @@ def run_evaluation(
         data_file = _tiny_gsm8k_path() if gsm8k_data is None and gsm8k_task == "gsm8k_local_tiny" else gsm8k_data_path(gsm8k_data)
         results.setdefault("gsm8k", {"settings": gsm8k_settings})["data_file"] = str(data_file)
         owned.update({("gsm8k", "settings"), ("gsm8k", "data_file")})
-        for name in tqdm(pending, desc="GSM8K", unit="method", disable=not progress):
+        for name in progress_bar(pending, desc="GSM8K", unit="method", progress=progress):
             started = time.perf_counter()
             record = gsm8k_accuracy(
                 model, tokenizer, METHODS[name], gsm8k_limit, data_file, gsm8k_task, gsm8k_max_tokens, gsm8k_batch,

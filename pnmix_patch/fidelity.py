@@ -17,6 +17,13 @@ from .api import new_cache, patch_model, unpatch_model
 from .config import PNMixConfig
 
 
+def progress_bar(iterable=None, *, progress: bool = True, **kwargs) -> tqdm:
+    """A tqdm progress bar, hidden when ``progress`` is False. Only ``disable=True`` is ever passed: an
+    explicit ``disable=False`` would override tqdm's environment settings, so ``TQDM_DISABLE=1`` could
+    not silence the library's bars."""
+    return tqdm(iterable, **kwargs, **({} if progress else {"disable": True}))
+
+
 @torch.no_grad()
 def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Float32 logits of one full-precision forward pass (the model must be unpatched)."""
@@ -56,7 +63,7 @@ def teacher_force(
         cache = new_cache(model)
         model(input_ids[:, :prefill], cache=cache, use_cache=True)
         logits = []
-        for position in tqdm(range(prefill, input_ids.shape[1]), disable=not progress, desc=str(getattr(config, "name", config)), leave=False):
+        for position in progress_bar(range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(config, "name", config)), leave=False):
             step = model(input_ids[:, position : position + 1], cache=cache, use_cache=True)
             logits.append(step.logits[:, -1].float())
         memory = cache.memory_report()
