@@ -47,20 +47,23 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   the parts are two MMAs.
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has.
-- Key groups are staged in shared memory: ``STAGES`` buffers, the ``cp.async`` copies of the codes
-  of ``STAGES - 1`` groups in flight while one is computed: the operands are read from the buffer
-  itself, which is refilled once every warp is done with it (the 16-bit scales and zeros, whose
-  alignment ``cp.async`` cannot assume, go through registers and are stored when the group is
-  done). The value words' buffer is swizzled (:func:`value_shared_layout`). Without staging the
+- Key groups are staged in shared memory: ``STAGES`` buffers, the operands read from the buffer
+  itself. While a group's key products run, the ``cp.async`` copies of the codes of the next
+  ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
+  scores are made, and runs during its softmax and value products (until the twenty-eighth session
+  it started with the group: ``STAGES - 1`` in flight throughout; ``STAGES`` other than 3 was not
+  timed since). The 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go through
+  registers and are stored once the group's last step has read its token scales. The value words'
+  buffer is swizzled (:func:`value_shared_layout`). Without staging the
   kernel waited on memory: the same instructions took 1.5-2x as long.
   Until the cache stored its words in operand order, each group was byte-transposed from one
   shared buffer into another (``PRMT``): 1.19-1.21x the time at batch 32 for pnmix-1
   (``benchmarks/results/pretransposed_codes.json``).
-- Three barriers per step of a group: the group's codes arrived (and its query operands are
-  stored); the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A group's query
+- One barrier per group, the group's codes arrived (and its query operands are stored), and two per
+  step: the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A group's query
   operands and factors (:func:`_group_operands`) are made during the value products of the group
-  before, where they fill the products' wait; the next copies are started and the stage's scales
-  and zeros refilled after the second barrier, once every warp is done with them. (Triton's own
+  before, where they fill the products' wait; the next copy is started and the stage's scales and
+  zeros refilled after the last step's score-maximum barrier. (Triton's own
   cross-warp reductions take two barriers each, and its barrier analysis adds one between a write
   and a read of one buffer, in either order, with no barrier between them: hence the order of the
   loop.)
@@ -98,7 +101,8 @@ DENSE_T = gl.constexpr(64)
 """Tokens per step of the full-precision parts (sinks, residual): 4 warps x 16 rows of the MMA."""
 DTYPES = (torch.bfloat16, torch.float16)
 STAGES = 3
-"""Shared buffers of key groups: ``STAGES - 1`` groups' copies in flight while one is computed (see :func:`default_splits`)."""
+"""Shared buffers of key groups: ``STAGES - 2`` groups' copies in flight during a group's key products, one more during
+its value products (see the module docstring and :func:`default_splits`)."""
 MAX_REGISTERS = 128
 """Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`);
 :data:`MAX_REGISTERS_64` for 64-token groups (:func:`register_cap`)."""
@@ -494,9 +498,11 @@ def _query_operands(query_high_smem, query_low_smem, x, inverse, ROWS: gl.conste
 
 @gluon.jit
 def _operand_inverse(peak):
-    """``127 / peak`` (``peak >= 0``, the largest magnitude an 8-bit operand's column holds), 0 where
-    ``peak`` is 0 or below float32's smallest normal: one ``rcp.approx`` (within 1 ulp, about 2^-23)
-    in place of the division's ten instructions with their range checks. The operands are exact
+    """``127 / peak`` (``peak >= 0``, the largest magnitude an 8-bit operand's column holds): one
+    ``rcp.approx`` (within 1 ulp, about 2^-23) in place of the division's ten instructions with their
+    range checks. 0 where ``peak`` is 0, below float32's smallest normal, NaN, infinite or at least
+    2^126 (the flushed reciprocal); infinite below about 3.7e-37, as the division was. A NaN group
+    still gives NaN scores through its offset. The operands are exact
     to within that factor: ``y`` may pass 127 by 127 * 2^-22, which still rounds to 127, and the
     result is scaled back by ``peak`` itself, not by the inverse. Measured on an H200 against the
     division (bf16, ``benchmarks/results/kernel_ab_rcp_inverse.json``): 0.96-0.99x the time for pnmix-1
@@ -692,7 +698,7 @@ def _decode_split_kernel_mma(
     per_split = gl.cdiv(n_groups, num_splits)
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
-    # Shared buffers: STAGES stages of key groups (STAGES - 1 copies in flight, one stage read as operands).
+    # Shared buffers: STAGES stages of key groups (one read as operands, the others' copies in flight).
     # (Buffers are indexed along their first dim; the layouts describe the rest.)
     SHARED_2D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -834,12 +840,12 @@ def _decode_split_kernel_mma(
             token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, SCORES))
             if step == G // T - 1:
-                # _column_max's barrier ended every warp's reads of this group's key words and of its
-                # stage's scales and zeros: refill the last group's stage with the codes of group +
-                # STAGES - 1, and this stage with the scales and zeros of group + STAGES. (Here rather
-                # than after the barrier that opens the group, where the copy would need one of its
-                # own before the key words are read: a buffer written and then read, in any part, is
-                # fenced by a barrier.)
+                # Refill the last group's stage with the codes of group + STAGES - 1, and this stage
+                # with the scales and zeros of group + STAGES. Here, after _column_max's barrier, because
+                # Triton fences a write to a buffer and a read of it, in any part, with a barrier: after
+                # the barrier that opens the group, the copy would need one of its own before the key
+                # words (another stage of the same buffers) are read. Every read of this stage's token
+                # scales is done by now.
                 ahead = group + STAGES - 1
                 _copy_group_codes(key_smem, value_smem, (ahead - group_start) % STAGES, ahead, ahead < group_end, kc_high,
                                   kc_low, v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
@@ -941,9 +947,10 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     time at 16K to 64K (that run's batch-1 rows are not this rule's).
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    142, three programs per multiprocessor) and ``STAGES`` = 3 (two groups' copies in flight while
-    the third stage is read; before the cache stored operand order, the kernel had two stages and a
-    byte-transposed copy, the same shared memory). Measured on an H200 (pnmix-1, bf16,
+    142, three programs per multiprocessor) and ``STAGES`` = 3 (then, two groups' copies in flight while
+    the third stage was read; before the cache stored operand order, the kernel had two stages and a
+    byte-transposed copy, the same shared memory). Measured on an H200 before the twenty-eighth session
+    moved the copies later in the group (module docstring; not measured since) (pnmix-1, bf16,
     ``benchmarks/diagnostics/stages_sweep.py``, ``benchmarks/results/stages_sweep_operand_order.json``):
     batch 32 / 32K 324.0 us, against 326.3 with 4 stages, 328.8 with 2 and 328.4 with 96 registers and
     5 slots; 2 stages are 2% faster at batch 8 / 16K (52.1 against 53.2) and 1 / 32K (16.7 against 17.0). Its instructions depend on shared-memory loads
