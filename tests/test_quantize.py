@@ -22,6 +22,7 @@ from pnmix_patch.quantize import (
     scale_dtype_for,
     transpose_byte_quads,
     unpack_bits,
+    unpack_values,
     values_from_operand_order,
     values_to_operand_order,
 )
@@ -259,6 +260,15 @@ def test_values_in_operand_order_hold_the_documented_bits(tokens, block, bits):
                         got = bit(ordered[0, 1, t, column // words, column % words], position)
                     assert got == bit(plain[0, 1, t, p, w], i)
     assert torch.equal(values_from_operand_order(ordered, block), plain)
+
+
+@pytest.mark.parametrize("tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4),
+                                                (44, 8, 5), (16, 8, 8)])
+def test_unpack_values_reads_the_codes_the_planes_hold(tokens, block, bits):
+    """The value codes read straight from the words in operand order (field words, the odd last plane,
+    the plain partial block) are those of the bit planes they were made from."""
+    plain = random_words(2, 3, tokens, bits, 2, seed=tokens + bits)
+    assert torch.equal(unpack_values(values_to_operand_order(plain, block), block), unpack_bits(plain))
 
 
 @pytest.mark.parametrize("block", [0, 6, -4])
