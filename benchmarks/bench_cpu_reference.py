@@ -18,6 +18,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,8 +78,7 @@ def main() -> None:
     report = {
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "package": str(Path(pnmix_patch.__file__).parent),
         "torch": torch.__version__, "host": platform.node(), "processor": platform.processor() or platform.machine(),
-        "threads": args.threads, "command": "python benchmarks/bench_cpu_reference.py " + " ".join(
-            f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if k != "out"),
+        "threads": args.threads, "command": "python " + " ".join(sys.argv),
         "rows": rows,
     }  # fmt: skip
     out = Path(args.out) / f"bench_cpu_reference{'_' + args.tag if args.tag else ''}.json"

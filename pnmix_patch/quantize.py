@@ -210,7 +210,8 @@ def unpack_fields(words: torch.Tensor) -> torch.Tensor:
     *lead, bits, width = words.shape
     pairs = bits // 2
     fields = words[..., : 2 * pairs, :].reshape(*lead, pairs, 2 * width, 1) ^ FIELD_SIGN_FLIP
-    # int32 throughout (see unpack_bits); field word u of pair m: channel 16u + k at bits 2k, 2k + 1.
+    # int32: masked, the arithmetic shift of a negative word still gives its top field (as in unpack_bits'
+    # int32 path); field word u of pair m: channel 16u + k at bits 2k, 2k + 1.
     pair_codes = ((fields >> (2 * torch.arange(16, dtype=torch.int32, device=words.device))) & 3).reshape(*lead, pairs, 32 * width)
     weights = 2 * torch.arange(pairs, dtype=torch.int32, device=words.device).view(pairs, 1)
     codes = (pair_codes << weights).sum(-2, dtype=torch.int32)
