@@ -97,14 +97,24 @@ def _attend_dense(
 
 
 @triton.jit
-def _key_bits(channel, C, token):
-    """Word (offset within a word row of one plane) and bit of ``token`` ``[32]`` of channel
-    ``channel`` ``[N]`` of a key codes tensor of ``C`` channels, in the operand order of
-    ``quantize.py``: a channel of a run of four is byte ``channel % 4`` of the run's word
-    ``token // 8``; the last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
-    in_run = (channel < 4 * (C // 4))[None, :]
-    word = tl.where(in_run, (4 * (channel // 4))[None, :] + (token // 8)[:, None], channel[None, :])
-    return word, tl.where(in_run, (8 * (channel % 4))[None, :] + (token % 8)[:, None], token[:, None])
+def _key_bits(channel, C: tl.constexpr, token, G: tl.constexpr):
+    """Offset (within one plane of one group: ``word row * C + word``) and bit of ``token`` ``[32]``
+    (within the group) of channel ``channel`` ``[N]`` of a key codes tensor of ``C`` channels, in the
+    operand order of ``quantize.py``. Thread-owned words (``C`` a multiple of 32, ``G`` of 64): token
+    (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit ``8 byte
+    + 4 tile + 2 half + row half`` of word (tile pair, ``32 chunk + 4 lane row + lane column``). Else
+    a channel of a run of four is byte ``channel % 4`` of the run's word ``token % 32 // 8`` and the
+    last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
+    c = channel[None, :]
+    t = token[:, None]
+    if C % 32 == 0 and G % 64 == 0:
+        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32
+        row = t // (2 * DISTANCE) * (DISTANCE // 16) + t % DISTANCE // 16
+        word = 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
+        return row * C + word, 8 * (c % 4) + 4 * (t // DISTANCE % 2) + 2 * (c // 16 % 2) + t // 8 % 2
+    in_run = c < 4 * (C // 4)
+    word = tl.where(in_run, 4 * (c // 4) + t % 32 // 8, c)
+    return t // 32 * C + word, tl.where(in_run, 8 * (c % 4) + t % 8, t % 32)
 
 
 @triton.jit
@@ -180,16 +190,14 @@ def _decode_split_kernel(
     chunk_end = tl.minimum(split * per_split + per_split, n_chunks)
 
     # Keys: one int32 word per (group, plane, word, stored channel); channel c < C_HIGH
-    # lives in the high tensor, the others at c - C_HIGH in the low one. Token n of a chunk
-    # is at word and bit of _key_bits (the operand order of quantize.py).
-    C_LOW = D - C_HIGH
+    # lives in the high tensor, the others at c - C_HIGH in the low one, each token at the word
+    # and bit of _key_bits (the operand order of quantize.py).
+    C_LOW: tl.constexpr = D - C_HIGH
     is_high = offs_d < C_HIGH
     low_mask = (offs_d >= C_HIGH) & d_mask
     offs_n = tl.arange(0, 32)
-    high_word, high_bit = _key_bits(offs_d, C_HIGH, offs_n)
-    low_word, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n)
-    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_word
-    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_word
+    kh_base = kc_high_ptr + b * s_khb + h * s_khh
+    kl_base = kc_low_ptr + b * s_klb + h * s_klh
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
     # Values: per token, BITS_V planes of D/32 words, in the operand order of quantize.py per
@@ -208,14 +216,16 @@ def _decode_split_kernel(
     for chunk in range(split * per_split, chunk_end):
         group = chunk // WORDS
         word = chunk % WORDS
-        # Token n of the chunk: word and bit of each channel from _key_bits (high_word, high_bit, ...).
+        # Token n of the chunk: word and bit of each channel in a plane of its group (_key_bits).
+        high_offset, high_bit = _key_bits(offs_d, C_HIGH, 32 * word + offs_n, G)
+        low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, 32 * word + offs_n, G)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
             if p < BITS_HIGH:
-                bits = tl.load(kh_ptrs + ((group * BITS_HIGH + p) * WORDS + word) * C_HIGH, mask=is_high[None, :], other=0)
+                bits = tl.load(kh_base + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_offset, mask=is_high[None, :], other=0)
                 codes |= ((bits >> high_bit) & 1) << p
             if p < BITS_LOW:
-                bits = tl.load(kl_ptrs + ((group * BITS_LOW + p) * WORDS + word) * C_LOW, mask=low_mask[None, :], other=0)
+                bits = tl.load(kl_base + (group * BITS_LOW + p) * WORDS * C_LOW + low_offset, mask=low_mask[None, :], other=0)
                 codes |= ((bits >> low_bit) & 1) << p
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)

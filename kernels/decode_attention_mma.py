@@ -16,11 +16,20 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   per-channel key scale folds into q, the per-token value scale into p (one value group per
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
-  operand order (``pnmix_patch/quantize.py``: byte-transposed in runs of four), so a key word
-  holds 8 rows x 4 columns, one byte per column, and ``word & 0x01010101 << j``
-  (:data:`BYTES_ASM`) is the register of row j: four int8 elements ``2^j * bit`` (bit 7 reads
-  -128). The factor ``2^-j`` (``-2^-7``) is the same for all of a row's elements, so it is
-  applied to the MMA results.
+  operand order (``pnmix_patch/quantize.py``), one byte per K column. Thread-owned key words
+  (every preset's codes tensors but ``pnmix-2``'s): a thread's word of a 32-channel chunk holds
+  all its registers' bits, rows g and g + 8 of its warp's two 16-token tiles (:func:`step_tokens`
+  128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
+  words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
+  register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
+  (:func:`_key_row_factors`). Else (words byte-transposed in runs of four) a key word holds 8 rows
+  x 4 columns, read by the 8 threads of those rows, and ``word & 0x01010101 << j`` is the register
+  of row j: ``2^j * bit`` (bit 7 reads -128). Either way the factor (``2^-bit``, ``2^-j``, ``-2^-7``)
+  is the same for all of a row's elements, so it is applied to the MMA results. Measured on an
+  H200 against the byte-transposed words (bf16, ``benchmarks/results/kernel_ab_thread_owned_keys.json``):
+  pnmix-1 0.91-0.96x the time (batch 32 / 32K 279.9 -> 259.0 us), kivi-2 0.90-0.94x; the key
+  words' shared loads went from 32 ``LDS.64`` per warp and step to 4 ``ldmatrix`` of two
+  matrices (``LDSM.16.M88.2``) and 8 shifts (pnmix-1, sm_90 machine code, Triton 3.6).
 - Values are stored as 2-bit fields (a pair of planes per word): a word holds 4 channel rows x 4
   token columns, and ``word & 0x03030303 << 2k`` is the register of row k: ``4^k * code``, half
   the ANDs and MMAs of two planes. The top field (k = 3) holds the sign bit of the int8, so the
@@ -92,6 +101,8 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+from pnmix_patch.quantize import key_tile_distance, thread_owned_keys
 
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
@@ -226,6 +237,26 @@ def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
     return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(tokens, cols)), [], shape)
 
 
+def _key_owned_layouts(cols: int, tokens: int, distance: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
+    """For thread-owned key words (``pnmix_patch/quantize.py``, tiles ``distance`` tokens apart): the
+    8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into (tile,
+    tile pair, row half, lane row) and channel k into (chunk, half, lane column, byte): ``[T /
+    distance, distance / 16, 2, 8, cols / 32, 2, 4, 4]``; and the layout of the step's words as
+    shared memory holds them, ``[distance / 16, cols / 4, 4]`` (tile pair, 8 chunk + lane row, lane
+    column): each thread's own word, one per chunk."""
+
+    def split(bases):
+        return [[t // distance, t % distance >> 4, (t >> 3) & 1, t & 7, k >> 5, (k >> 4) & 1, (k >> 2) & 3, k & 3] for t, k in bases]
+
+    def word(bases):
+        return [[t % distance >> 4, 8 * (k >> 5) + (t & 7), (k >> 2) & 3] for t, k in bases]
+
+    bases = _a8_operand_bases(tokens, cols)
+    shape = [tokens // distance, distance // 16, 2, 8, cols // 32, 2, 4, 4]
+    return (gl.DistributedLinearLayout(*(split(b) for b in bases), [], shape),
+            gl.DistributedLinearLayout(*(word(b) for b in bases), [], [distance // 16, cols // 4, 4]))
+
+
 def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of the values ``[D, T]`` (channel rows, token columns) with channel
     c split into (word row, 2-bit field) and token t into (quad, byte): ``[D/4, 4, T/4, 4]``."""
@@ -238,22 +269,29 @@ def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout
 
 
 @functools.cache
-def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int) -> dict:
+def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_distance: int = 0) -> dict:
     """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
     are half the head wide), ``query_rows`` rows of query operands (the query heads per KV head
-    rounded up to a power of two: 4 when the columns are paired, see the kernel) and ``tokens``
-    per step of the packed groups."""
+    rounded up to a power of two: 4 when the columns are paired, see the kernel), ``tokens``
+    per step of the packed groups and, for thread-owned key words, their ``key_distance`` (0: the
+    words of runs of four channels byte-transposed)."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     low_width = head_dim - high_width
+    if key_distance:
+        (key_high, key_words_high), (key_low, key_words_low) = (
+            _key_owned_layouts(width or head_dim, tokens, key_distance) for width in (high_width, low_width))
+    else:
+        key_high, key_low = (_key_byte_layout(width or head_dim, tokens) for width in (high_width, low_width))
+        key_words_high = gl.SliceLayout(2, gl.SliceLayout(4, key_high))
+        key_words_low = gl.SliceLayout(2, gl.SliceLayout(4, key_low))
     return dict(
         MMA=mma,
         A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         A8=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4),
         B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
-        KEY_BYTES_HIGH=_key_byte_layout(high_width or head_dim, tokens),
-        KEY_BYTES_LOW=_key_byte_layout(low_width or head_dim, tokens),
+        KEY_BYTES_HIGH=key_high, KEY_BYTES_LOW=key_low, KEY_WORDS_HIGH=key_words_high, KEY_WORDS_LOW=key_words_low,
         QUERY=query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim),
         VALUE_BYTES=_value_byte_layout(head_dim, tokens),
     )
@@ -461,24 +499,61 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_plane_scores(high, low, key_words, query_high, query_low, ROW0: gl.constexpr, mask, C0: gl.constexpr,
-                      W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
-                      PAIRED: gl.constexpr):
-    """Add one plane of stored channels ``[C0, C0 + W)`` of one step (the stage's words, word rows
-    ``ROW0`` on) times the tile's 8-bit query operands (B-operand registers) to the integer score
-    accumulators: high and low parts in two (``low`` untouched when ``PAIRED``: both parts are
-    columns of ``query_high``)."""
-    WORD_BYTES: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, KEY_BYTES))
-    # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-    words = key_words.slice(ROW0, T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
-    words = gl.expand_dims(gl.expand_dims(words.load(WORD_BYTES), 2), 4)
-    words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
-                              A8, assert_trivial=True)
+def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl.constexpr, step: gl.constexpr, mask,
+                      C0: gl.constexpr, W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
+                      KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr, PAIRED: gl.constexpr):
+    """Add one plane of stored channels ``[C0, C0 + W)`` of step ``step`` (the stage's words, the
+    plane's from word row ``PLANE_ROW`` on) times the tile's 8-bit query operands (B-operand
+    registers) to the integer score accumulators: high and low parts in two (``low`` untouched when
+    ``PAIRED``: both parts are columns of ``query_high``). ``mask``: the rows' bit of a byte
+    (:func:`_key_row_factors`)."""
+    if KEY_DISTANCE > 0:
+        # Thread-owned words: each thread reads its own word of each 32-channel chunk, [tile pair, 8
+        # chunk + lane row, lane column] -> [tile pair, lane row, chunk, lane column] -> broadcast over
+        # (tile, row half, half, byte) -> [T, W]: no data moves. The step's word rows: those of its
+        # block of 2 * KEY_DISTANCE tokens (a step of KEY_DISTANCE tokens is one tile of it).
+        PAIRS: gl.constexpr = KEY_DISTANCE // 16
+        OWNED_ROW: gl.constexpr = PLANE_ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
+        OWN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(5, gl.SliceLayout(7, KEY_BYTES))))
+        words = key_words.slice(OWNED_ROW, PAIRS, 0).slice(C0 // 4, W // 4, 1).load(KEY_WORDS)
+        words = gl.convert_layout(gl.permute(gl.reshape(words, [PAIRS, W // 32, 8, 4]), [0, 2, 1, 3]), OWN, assert_trivial=True)
+        words = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 2), 5), 7)
+        shape: gl.constexpr = [T // KEY_DISTANCE, PAIRS, 2, 8, W // 32, 2, 4, 4]
+        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]),
+                                  A8, assert_trivial=True)
+        # The second half of a chunk (channels 16 .. 31) is 2 bits above the first in the bytes.
+        words = words >> gl.expand_dims(2 * ((gl.arange(0, W, layout=gl.SliceLayout(0, A8)) >> 4) & 1), 0)
+    else:
+        # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
+        words = key_words.slice(PLANE_ROW + step * (T // 32), T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
+        words = gl.expand_dims(gl.expand_dims(words.load(KEY_WORDS), 2), 4)
+        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
+                                  A8, assert_trivial=True)
     operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
     high = mma_v2(operand, query_high, high)
     if not PAIRED:
         low = mma_v2(operand, query_low, low)
     return high, low
+
+
+@gluon.jit
+def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.constexpr, A8: gl.constexpr,
+                     SCORES: gl.constexpr):
+    """Which bit of a byte each score row of step ``step`` reads (as ``0x01010101 << bit``, ``[T, 1]``
+    in ``A8``) and the factor that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words:
+    bit ``4 * tile + row half`` of the row's token (``pnmix_patch/quantize.py``; with ``T =
+    KEY_DISTANCE`` the step is one tile); its codes read ``2^bit`` times too large. Else bit ``t % 8``,
+    bit 7 being the sign bit of an 8-bit integer (-128)."""
+    t_a = gl.arange(0, T, layout=gl.SliceLayout(1, A8))
+    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES))
+    if KEY_DISTANCE > 0:
+        TILE: gl.constexpr = step * T // KEY_DISTANCE % 2  # the step's first tile in its block
+        bit_a = 4 * (t_a // KEY_DISTANCE + TILE) + (t_a >> 3) % 2
+        unit = gl.exp2(-(4 * (t_s // KEY_DISTANCE + TILE) + (t_s >> 3) % 2).to(gl.float32))
+    else:
+        bit_a = t_a % 8
+        unit = gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32))
+    return gl.expand_dims(0x01010101 << bit_a, 1), gl.expand_dims(unit, 1)
 
 
 @gluon.jit
@@ -651,7 +726,8 @@ def _decode_split_kernel_mma(
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
     W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, SCORE_PLANES: gl.constexpr,
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
-    KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, QUERY: gl.constexpr,
+    KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, KEY_WORDS_HIGH: gl.constexpr, KEY_WORDS_LOW: gl.constexpr,
+    KEY_DISTANCE: gl.constexpr, QUERY: gl.constexpr,
     VALUE_BYTES: gl.constexpr,
     QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
     STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, VALUE_SHARED: gl.constexpr, PARAMS_D: gl.constexpr,
@@ -755,11 +831,6 @@ def _decode_split_kernel_mma(
     column_scale_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
     column_offset_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
     max_smem = gl.allocate_shared_memory(gl.float32, [WARPS, QUERY_ROWS], SHARED_2D)  # per warp: its rows' maxima
-    # Score row t read bit t % 8 of its bytes: its codes came out 2^(t % 8) times too large, and bit 7
-    # is the sign bit of an 8-bit integer (-128).
-    t_s = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES))
-    key_unit = gl.expand_dims(gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32)), 1)
-    key_mask = gl.expand_dims(0x01010101 << (gl.arange(0, T, layout=gl.SliceLayout(1, A8)) % 8), 1)
     no_keys = gl.zeros([T, BLOCK_Q], gl.int32, layout=MMA)
 
     # Value field words: 8-bit operands like the keys' (row c read field c % 4 of its bytes: 4^(c % 4)
@@ -804,7 +875,7 @@ def _decode_split_kernel_mma(
         key_words = key_smem.index(stage)
         value_words = value_smem.index(stage)
         value_params = value_param_smem.index(stage).reshape([2 * G])
-        key_scale = key_unit * gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
+        column_scale = gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
         k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, SCORES)), 0)
         if W_HIGH > 0:
             query_hh = query_hh_smem.permute([1, 0]).load(B8)
@@ -817,6 +888,8 @@ def _decode_split_kernel_mma(
             if not PAIRED:
                 query_ll = query_ll_smem.permute([1, 0]).load(B8)
         for step in gl.static_range(G // T):
+            # Score rows read one bit of each byte of the key operands (_key_row_factors).
+            key_mask, key_unit = _key_row_factors(step, T, KEY_DISTANCE, A8, SCORES)
             # Horner's scheme over the planes (both tiles' plane p together): double, then add plane p.
             high = no_keys
             low = no_keys
@@ -826,15 +899,17 @@ def _decode_split_kernel_mma(
                     if not PAIRED:
                         low = low * 2
                 if W_HIGH > 0 and key_plane < PLANES_HIGH:
-                    high, low = _key_plane_scores(high, low, key_words, query_hh, query_hl, key_plane * WORDS + step * (T // 32),
-                                                  key_mask, 0, W_HIGH, T, A8, KEY_BYTES_HIGH, PAIRED)
+                    high, low = _key_plane_scores(high, low, key_words, query_hh, query_hl, key_plane * WORDS, step,
+                                                  key_mask, 0, W_HIGH, T, A8, KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE,
+                                                  PAIRED)  # fmt: skip
                 if W_LOW > 0 and key_plane < BITS_LOW:
-                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, key_plane * WORDS + step * (T // 32),
-                                                  key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, PAIRED)
+                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, key_plane * WORDS, step,
+                                                  key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE,
+                                                  PAIRED)  # fmt: skip
             # 128 * high + low in float32 (the integer sums with 4-bit codes would pass int32 times 128).
             if PAIRED:
                 high, low = _pair_parts(high, SCORES)
-            scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * key_scale + k_offset
+            scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
 
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
@@ -980,7 +1055,11 @@ def kernel_constants(
     paired = paired_columns(ratio)
     query_rows = block_q // 2 if paired else block_q
     tokens = step_tokens(group_size, bits_value)
-    kernel_layouts = layouts(head_dim, high_width, query_rows, tokens)
+    owned = thread_owned_keys(group_size, num_high)
+    if owned != thread_owned_keys(group_size, head_dim - num_high):
+        raise ValueError(f"num_high={num_high} and head_dim={head_dim}: both key codes tensors must be thread-owned or neither")
+    key_distance = key_tile_distance(group_size) if owned else 0
+    kernel_layouts = layouts(head_dim, high_width, query_rows, tokens, key_distance)
     mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
@@ -991,7 +1070,7 @@ def kernel_constants(
         RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
         TOP_CORRECTION=top_field_correction(bits_value),
-        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes,
+        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes, KEY_DISTANCE=key_distance,
         SCORE_PLANES=score_planes,
         STAGES=stages,
         COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(group_size),

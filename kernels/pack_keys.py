@@ -10,13 +10,15 @@ selected-pair channels first), so stored channel ``c`` is high-bit iff
 ``c < num_high``. Two passes over the group's 32-token rows:
 
 1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
-2. codes from the *stored* scale/zero, then for each bit plane ``p`` one int32 word
-   per channel: bit ``t`` of the word is bit ``p`` of token ``32 * w + t``'s code; the
-   words of each run of four channels of a codes tensor byte-transposed (the operand
-   order of ``quantize.py``).
+2. codes from the *stored* scale/zero, then for each bit plane ``p`` the words of bit ``p``
+   of the codes in the operand order of ``quantize.py``: thread-owned words (a codes
+   tensor of a multiple of 32 channels, ``G`` a multiple of 64), made from blocks of 128
+   tokens (64 where ``G`` is not a multiple of 128); else per 32-token row one word per
+   channel (bit ``t`` is token ``32 * w + t``), each run of four channels' words
+   byte-transposed.
 
 The selected and the other channels are two passes of :func:`_pack_key_channels`, each
-over its own codes tensor (so runs of four start at its channel 0 whatever ``C_hi``).
+over its own codes tensor (so its layout depends on its own channel count).
 
 Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H, G/32, C_hi]``,
 ``codes_low [B, H, groups, b_L, G/32, C_lo]``, ``scale/zero [B, H, groups, D]``.
@@ -96,18 +98,39 @@ def _pack_key_channels(
     scale = scale.to(tl.float32)
     zero = zero.to(tl.float32)
 
-    # Pass 2: encode and pack one 32-token word per channel and bit plane; the words of each run
-    # of four channels byte-transposed (operand order), a last run of fewer kept plain.
+    # Pass 2: encode and pack, for each bit plane p, words of bit p of the codes in operand order.
     codes_base = codes_ptr + group_out * s_cg + offs_c * s_cc
-    in_run = offs_c < 4 * (COUNT // 4)
-    for w in range(words):
-        x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
-        codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
-        for p in tl.static_range(BITS):
-            # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
-            word = tl.sum(((codes >> p) & 1) << offs_t[:, None], 0)
-            word = tl.where(in_run, transpose_byte_quads(word), word)
-            tl.store(codes_base + p * s_cp + w * s_cw, word, mask=c_mask)
+    if COUNT % 32 == 0 and G % 64 == 0:
+        # Thread-owned words (quantize.py): a block of 2 * DISTANCE tokens is PAIRS word rows; token
+        # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit
+        # 8 byte + 4 tile + 2 half + row half of word (tile pair, 32 chunk + 4 lane row + lane column).
+        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32
+        PAIRS: tl.constexpr = DISTANCE // 16
+        offs_b = tl.arange(0, 2 * DISTANCE)
+        position = (8 * (offs_c % 4) + 2 * ((offs_c // 16) % 2))[None, :] + (4 * (offs_b // DISTANCE) + (offs_b // 8) % 2)[:, None]
+        offs_r = tl.arange(0, PAIRS)
+        block_ptrs = keys_ptr + (group * G + offs_b)[:, None] * s_kt + (order * s_kd)[None, :]
+        for block in range(G // (2 * DISTANCE)):
+            x = tl.load(block_ptrs + block * 2 * DISTANCE * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
+            codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
+            for p in tl.static_range(BITS):
+                # Distinct bits, so the sums are their OR (bit 31 wraps to the sign, as int32 should).
+                bits = tl.reshape(((codes >> p) & 1) << position, [2, PAIRS, 2, 8, BLOCK_C // 32, 2, 4, 4])
+                word = tl.sum(tl.sum(tl.sum(tl.sum(bits, 7), 5), 2), 0)  # [tile pair, lane row, chunk, lane column]
+                word = tl.reshape(tl.permute(word, (0, 2, 1, 3)), [PAIRS, BLOCK_C])
+                tl.store(codes_base[None, :] + p * s_cp + (block * PAIRS + offs_r)[:, None] * s_cw, word, mask=c_mask[None, :])
+    else:
+        # One 32-token word per channel: the words of each run of four channels byte-transposed, a
+        # last run of fewer kept plain.
+        in_run = offs_c < 4 * (COUNT // 4)
+        for w in range(words):
+            x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
+            codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
+            for p in tl.static_range(BITS):
+                # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
+                word = tl.sum(((codes >> p) & 1) << offs_t[:, None], 0)
+                word = tl.where(in_run, transpose_byte_quads(word), word)
+                tl.store(codes_base + p * s_cp + w * s_cw, word, mask=c_mask)
 
 
 @triton.jit

@@ -54,14 +54,28 @@ Operand order: the words are then rearranged, without changing what they hold, i
 the order the CUDA decode kernel (``kernels/decode_attention_mma.py``) makes its 8-bit
 tensor-core operands from, so that it copies them and reads them as they are instead
 of byte-transposing every group in shared memory (1.19-1.21x faster at batch 32 on an
-H200, ``benchmarks/results/pretransposed_codes.json``). Both are 4 x 4 byte transposes
-(:func:`transpose_byte_quads`: in a run of four words, word ``b``'s byte ``i`` is byte
-``b`` of word ``i``):
+H200, ``benchmarks/results/pretransposed_codes.json``). A permutation of the bits of each
+plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_order`):
 
-- keys (:func:`keys_to_operand_order`): in each codes tensor, the words of four
-  consecutive stored channels ``4q .. 4q + 3`` (same plane and word row) are transposed:
-  bit ``8i + j`` of word ``4q + b`` is token ``32w + 8b + j`` of channel ``4q + i``. When
-  the tensor's channel count is not a multiple of 4, its last ``C % 4`` words stay plain;
+- keys, thread-owned words, in a codes tensor of a multiple of 32 channels with ``G`` a
+  multiple of 64 (:func:`thread_owned_keys`: every preset's tensors at head dim 64 and 128
+  but ``pnmix-2``'s, 52 and 76 channels at 128). Each word holds the 32 bits one thread of
+  the kernel's MMA needs of a 32-channel chunk: the rows ``g`` and ``g + 8`` of two
+  16-token tiles ``D`` tokens apart (:func:`key_tile_distance`: ``D`` = 64, or 32 where ``G``
+  is not a multiple of 128) and the channels ``4l .. 4l + 3`` and ``16 + 4l .. 16 + 4l + 3``.
+  Token ``t`` of the group is (block ``t // 2D``, tile ``t // D % 2``, tile pair ``t % D //
+  16``, row half ``t // 8 % 2``, lane row ``g = t % 8``); channel ``c`` of the tensor is
+  (chunk ``c // 32``, half ``c // 16 % 2``, lane column ``l = c // 4 % 4``, byte ``i = c %
+  4``). Its code bit is bit ``8i + 4 tile + 2 half + row half`` of word row ``block * D/16
+  + tile pair``, word ``32 chunk + 4g + l``. Before the twenty-ninth session every key
+  tensor was stored as below, where a word serves eight threads, so eight of them read it:
+  the thread-owned words cut the kernel's time at batch 32 by 7-10%
+  (``benchmarks/results/kernel_ab_thread_owned_keys.json``);
+- keys of other tensors: the words of four consecutive stored channels ``4q .. 4q + 3``
+  (same plane and word row) are byte-transposed (:func:`transpose_byte_quads`: in a run of
+  four words, word ``b``'s byte ``i`` is byte ``b`` of word ``i``): bit ``8i + j`` of word
+  ``4q + b`` is token ``32w + 8b + j`` of channel ``4q + i``. When the tensor's channel
+  count is not a multiple of 4, its last ``C % 4`` words stay plain;
 - values (:func:`values_to_operand_order`), per block of ``token_block`` tokens (the key
   group size ``G``). First each token's planes are taken in pairs ``(2m, 2m + 1)`` and
   stored as 2-bit fields (:func:`planes_to_fields`): the pair's ``2 * D/32`` words hold
@@ -69,7 +83,7 @@ H200, ``benchmarks/results/pretransposed_codes.json``). Both are 4 x 4 byte tran
   (plane ``2m + 1``) of field word ``u``, with bit 7 of every byte inverted (the top field
   of a byte then reads as ``64 * (code - 2)`` in a signed int8, see the kernel); an odd last
   plane stays a plane. Then the words of four consecutive tokens ``4tq .. 4tq + 3`` (same
-  word column) are transposed, and the block's ``[G, b_V, D/32]`` words are stored as
+  word column) are byte-transposed, and the block's ``[G, b_V, D/32]`` words are stored as
   ``[b_V * D/32, 4, G/4]``: byte ``i`` of word ``(column, b, tq)`` is byte ``b`` of token
   ``4tq + i``'s word ``column``. With 2-bit values, bits ``2k, 2k + 1`` of byte ``i`` of
   word ``(u, b, tq)`` are channel ``16u + 4b + k`` of token ``4tq + i`` (so a word row is
@@ -172,12 +186,85 @@ def transpose_byte_quads(words: torch.Tensor, dim: int) -> torch.Tensor:
     return words.movedim(-1, dim).contiguous()
 
 
+_WORD_FROM_TOKEN_DIMS = (0, 2, 5, 4, 7, 8, 1, 6, 3)
+"""A thread-owned key word's bits (module docstring, "keys") from a token's dims ``[block, tile, tile
+pair, row half, lane row]`` and a channel's ``[chunk, half, lane column, byte]``: word row ``[block,
+tile pair]``, word column ``[chunk, lane row, lane column]``, bit ``[byte, tile, half, row half]``."""
+_TOKEN_FROM_WORD_DIMS = tuple(_WORD_FROM_TOKEN_DIMS.index(d) for d in range(9))
+
+
+def key_tile_distance(group_size: int) -> int:
+    """Tokens from the first to the second 16-token tile of a thread-owned key word: 64 where
+    ``group_size`` is a multiple of 128, else 32 (module docstring, "keys")."""
+    return 64 if group_size % 128 == 0 else 32
+
+
+def thread_owned_keys(group_size: int, channels: int) -> bool:
+    """Whether a key codes tensor of ``channels`` channels over ``group_size``-token groups stores
+    thread-owned words (else runs of four channels byte-transposed; module docstring, "keys")."""
+    return channels % 32 == 0 and group_size % 64 == 0
+
+
+def _bits_of_words(words: torch.Tensor) -> torch.Tensor:
+    """Bits ``uint8[..., n, 32]`` of int32 words ``[..., n]``: bit ``b`` of word ``w`` at ``[w, b]``."""
+    if sys.byteorder == "little":  # bytes: a quarter of int32's memory traffic (see unpack_bits)
+        word_bytes = words.to(torch.int32).flatten().view(torch.uint8).reshape(*words.shape, 4, 1)
+        return ((word_bytes >> torch.arange(8, dtype=torch.uint8, device=words.device)) & 1).reshape(*words.shape, 32)
+    return ((words.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)) & 1).to(torch.uint8)
+
+
+def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_bits_of_words`."""
+    return _to_int32((bits.to(torch.int64) << torch.arange(WORD_BITS, device=bits.device)).sum(-1))
+
+
+def _thread_owned_dims(group_size: int, channels: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Sizes of a token's dims ``[block, tile, tile pair, row half, lane row]`` and a channel's
+    ``[chunk, half, lane column, byte]`` (module docstring, "keys")."""
+    distance = key_tile_distance(group_size)
+    return (group_size // (2 * distance), 2, distance // 16, 2, 8), (channels // 32, 2, 4, 4)
+
+
+def _key_token_bits(codes: torch.Tensor) -> torch.Tensor:
+    """Bits ``uint8[..., G, C]`` (token, channel) of key words ``[..., G/32, C]`` as stored."""
+    *lead, rows, channels = codes.shape
+    group_size = 32 * rows
+    if thread_owned_keys(group_size, channels):
+        token_dims, channel_dims = _thread_owned_dims(group_size, channels)
+        sizes = token_dims + channel_dims
+        bits = _bits_of_words(codes).reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
+        bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS))
+    else:
+        bits = _bits_of_words(transpose_byte_quads(codes, -1)).transpose(-1, -2)  # [..., rows, 32, C]
+    return bits.reshape(*lead, group_size, channels)
+
+
 def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
-    """Key words ``[..., C]`` (plain: word c holds channel c) in operand order (module docstring)."""
-    return transpose_byte_quads(codes, -1)
+    """Key words ``[..., G/32, C]`` (plain: bit ``t % 32`` of word ``(t // 32, c)`` is token ``t`` of
+    channel ``c``) in operand order (module docstring, "keys")."""
+    *lead, rows, channels = codes.shape
+    group_size = 32 * rows
+    if not thread_owned_keys(group_size, channels):
+        return transpose_byte_quads(codes, -1)
+    token_dims, channel_dims = _thread_owned_dims(group_size, channels)
+    bits = _bits_of_words(codes).transpose(-1, -2).reshape(*lead, *token_dims, *channel_dims)
+    bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in _WORD_FROM_TOKEN_DIMS))
+    return _words_of_bits(bits.reshape(*lead, rows, channels, WORD_BITS))
 
 
-keys_from_operand_order = keys_to_operand_order  # a transpose is its own inverse
+def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`keys_to_operand_order`."""
+    *lead, rows, channels = codes.shape
+    bits = _key_token_bits(codes).reshape(*lead, rows, WORD_BITS, channels)
+    return _words_of_bits(bits.transpose(-1, -2))
+
+
+def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``int32[..., G, C]`` of a key codes tensor ``[..., b, G/32, C]`` as :func:`quantize_keys`
+    stores it (``b`` bit planes in operand order)."""
+    bits = _key_token_bits(codes)
+    planes = torch.arange(codes.shape[-3], dtype=torch.int32, device=codes.device).view(-1, 1, 1)
+    return (bits.to(torch.int32) << planes).sum(-3, dtype=torch.int32)
 
 
 def check_token_block(token_block: int) -> None:
@@ -326,9 +413,8 @@ def dequantize_keys(
         (codes_high, scale[..., :num_high], zero[..., :num_high]),
         (codes_low, scale[..., num_high:], zero[..., num_high:]),
     ):
-        # [B, H, n, bits, G/32, C] -> codes [B, H, n, C, G] -> [B, H, n, G, C]
-        unpacked = unpack_bits(keys_from_operand_order(codes).permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2)
-        parts.append(decode(unpacked, part_scale.unsqueeze(3), part_zero.unsqueeze(3)))
+        # [B, H, n, bits, G/32, C] -> codes [B, H, n, G, C]
+        parts.append(decode(unpack_keys(codes), part_scale.unsqueeze(3), part_zero.unsqueeze(3)))
     stored = torch.cat(parts, -1)
     batch, heads, groups, group_size, head_dim = stored.shape
     stored = stored.reshape(batch, heads, groups * group_size, head_dim)

@@ -15,6 +15,8 @@ from pnmix_patch.quantize import (
     encode,
     keys_from_operand_order,
     keys_to_operand_order,
+    thread_owned_keys,
+    unpack_keys,
     minmax_params,
     pack_bits,
     quantize_keys,
@@ -217,19 +219,36 @@ def test_transpose_byte_quads_known_words():
     assert torch.equal(transpose_byte_quads(out, 0), words)
 
 
-@pytest.mark.parametrize("channels", [64, 26, 4, 2, 0])
-def test_keys_in_operand_order_hold_the_documented_bits(channels):
-    plain = random_words(2, 3, 2, channels, seed=channels)  # [groups, planes, word rows, C]
+@pytest.mark.parametrize("rows, channels", [(4, 64), (2, 64), (8, 32), (6, 32), (2, 26), (3, 64), (2, 4), (2, 2), (2, 0)])
+def test_keys_in_operand_order_hold_the_documented_bits(rows, channels):
+    plain = random_words(2, 3, rows, channels, seed=rows * 100 + channels)  # [groups, planes, word rows, C]
     ordered = keys_to_operand_order(plain)
+    group_size = 32 * rows
+    owned = thread_owned_keys(group_size, channels)
+    assert owned == (channels % 32 == 0 and group_size % 64 == 0)
+    distance = 64 if group_size % 128 == 0 else 32
     runs = 4 * (channels // 4)
     for c in range(channels):
-        for t in range(0, 32, 3):
-            if c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
-                got = bit(ordered[1, 2, 1, 4 * (c // 4) + t // 8], 8 * (c % 4) + t % 8)
+        for t in range(c % 5, group_size, 5):
+            if owned:  # token (block, tile, tile pair, row half, lane row), channel (chunk, half, lane column, byte)
+                block, tile, pair, row_half, lane_row = t // (2 * distance), t // distance % 2, t % distance // 16, t // 8 % 2, t % 8
+                chunk, half, lane_column, byte = c // 32, c // 16 % 2, c // 4 % 4, c % 4
+                word = ordered[1, 2, block * (distance // 16) + pair, 32 * chunk + 4 * lane_row + lane_column]
+                got = bit(word, 8 * byte + 4 * tile + 2 * half + row_half)
+            elif c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
+                got = bit(ordered[1, 2, t // 32, 4 * (c // 4) + t % 32 // 8], 8 * (c % 4) + t % 8)
             else:
-                got = bit(ordered[1, 2, 1, c], t)
-            assert got == bit(plain[1, 2, 1, c], t)
+                got = bit(ordered[1, 2, t // 32, c], t % 32)
+            assert got == bit(plain[1, 2, t // 32, c], t % 32)
     assert torch.equal(keys_from_operand_order(ordered), plain)
+
+
+@pytest.mark.parametrize("rows, channels", [(4, 64), (2, 32), (2, 26), (3, 64), (2, 0)])
+def test_unpack_keys_reads_the_stored_codes(rows, channels):
+    plain = random_words(2, 3, rows, channels, seed=channels)  # [groups, 3 planes, word rows, C]
+    codes = unpack_keys(keys_to_operand_order(plain))
+    assert codes.shape == (2, 32 * rows, channels)
+    assert torch.equal(codes, unpack_bits(plain.permute(0, 3, 1, 2)).transpose(-1, -2))
 
 
 @pytest.mark.parametrize("tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4)])

@@ -21,7 +21,9 @@ meaning of a variant's stages changed there too: since then ``stages - 1`` group
 flight (one stage is read), before ``stages`` (the words were transposed into another buffer).
 A baseline from before the value codes were stored as 2-bit fields (the commit that added
 ``--plane-values-baseline``) reads value bit planes in operand order: give that option
-(:func:`plane_values`).
+(:func:`plane_values`). A baseline from before the keys' thread-owned words (the commit that added
+``--byte-quad-keys-baseline``) reads every key codes tensor as runs of four channels'
+words byte-transposed: give that option (:func:`byte_quad_keys`).
 """
 
 from __future__ import annotations
@@ -100,6 +102,19 @@ def plane_values(cache: tuple) -> tuple:
     return tuple(cache)
 
 
+def byte_quad_keys(cache: tuple) -> tuple:
+    """``build_cache``'s arguments with every key codes tensor's words as runs of four channels
+    byte-transposed (the packed layout before the keys' thread-owned words), for a baseline kernel
+    from before them (``--byte-quad-keys-baseline``)."""
+    cache = list(cache)
+    for index in (5, 6):
+        converted = torch.empty_like(cache[index])
+        for sequence, codes in enumerate(cache[index]):  # one sequence at a time: the conversion's temporaries
+            converted[sequence] = quantize.transpose_byte_quads(keys_from_operand_order(codes), -1)
+        cache[index] = converted
+    return tuple(cache)
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -112,6 +127,9 @@ def main() -> None:
     baseline_format.add_argument("--plain-baseline", action="store_true", help="the baseline reads plain words (a kernel from before 52e7023)")
     baseline_format.add_argument("--plane-values-baseline", action="store_true",
                                  help="the baseline reads value bit planes (a kernel from before the 2-bit value fields)")
+    baseline_format.add_argument("--byte-quad-keys-baseline", action="store_true",
+                                 help="the baseline reads key words as runs of four channels byte-transposed "
+                                      "(a kernel from before the keys' thread-owned words)")
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
     parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES),
@@ -122,7 +140,8 @@ def main() -> None:
     if not args.variants and (args.variant_presets or args.variant_configs):
         parser.error("--variant-presets and --variant-configs need --variants")
     baseline = load_baseline(args.baseline)
-    for_baseline = plain_codes if args.plain_baseline else plane_values if args.plane_values_baseline else (lambda cache: cache)
+    for_baseline = (plain_codes if args.plain_baseline else plane_values if args.plane_values_baseline
+                    else byte_quad_keys if args.byte_quad_keys_baseline else (lambda cache: cache))  # fmt: skip
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()

@@ -14,6 +14,7 @@ from kernel_cases import LAYOUTS, decode_inputs, num_high, seeded
 
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import decode_attention_reference
+from pnmix_patch import quantize
 from pnmix_patch.quantize import dequantize_keys, pack_bits, planes_to_fields, transpose_byte_quads, values_to_operand_order
 
 MASK = 0xFFFFFFFF
@@ -132,6 +133,33 @@ def linear_element(bases: tuple, register: int, lane: int, warp: int) -> list:
             if index >> bit & 1:
                 element = [e ^ b for e, b in zip(element, basis, strict=True)]
     return element
+
+
+@pytest.mark.parametrize("group_size, tokens, step", [(128, 128, 0), (256, 128, 1), (128, 64, 1), (256, 64, 2), (64, 64, 0)])
+@pytest.mark.parametrize("cols", [32, 64])
+def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, tokens, step, cols):
+    """Thread-owned key words (``quantize.py``) as the kernel reads them: each thread loads the word
+    the words' layout gives it (``_key_owned_layouts``) from the step's word rows, shifts it by 2
+    for a chunk's second half and ANDs it with its row's mask (``_key_row_factors``): every element of
+    its 8-bit A operand is then 2^bit times the code bit of the token and channel the operand layout
+    gives that element, for steps of 128 and 64 tokens, groups of 64 to 256."""
+    distance = quantize.key_tile_distance(group_size)
+    bits = torch.randint(0, 2, (group_size, cols), generator=seeded(group_size + tokens + step))
+    words = quantize.keys_to_operand_order(pack_bits(bits.T, 1).squeeze(-2).T.contiguous())  # [G/32, cols]
+    assert quantize.thread_owned_keys(group_size, cols)
+    key_bytes, key_words = mma._key_owned_layouts(cols, tokens, distance)
+    operand = mma._a8_operand_bases(tokens, cols)
+    word_bases = (key_words.reg_bases, key_words.lane_bases, key_words.warp_bases)
+    first_row, first_tile = step * tokens // (2 * distance) * (distance // 16), step * tokens // distance % 2
+    for warp in range(4):
+        for lane in range(32):
+            for register in range(2 ** len(operand[0])):
+                t, k = linear_element(operand, register, lane, warp)
+                pair, quad, lane_column = linear_element(word_bases, register, lane, warp)
+                word = int(words[first_row + pair, 4 * quad + lane_column]) & MASK
+                bit = 4 * (t // distance + first_tile) + (t >> 3) % 2
+                element = byte((word >> (2 * ((k >> 4) & 1))) & (0x01010101 << bit), k & 3)
+                assert element == (1 << bit) * int(bits[step * tokens + t, k])
 
 
 @pytest.mark.parametrize("rows, columns", [(64, 8), (128, 8), (128, 16)])
@@ -428,7 +456,7 @@ def largest_key_sums(dtype: torch.dtype) -> tuple:
     of 3 groups, nothing else."""
     args = list(decode_inputs(seeded(), "4-4", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0]))
     codes = torch.full_like(args[5], -1)
-    codes[:, :, :, 3] = 0x55555555  # plane 3 (the top bit): even tokens only
+    codes[:, :, :, 3] = quantize.keys_to_operand_order(torch.full_like(codes[:, :, :, 3], 0x55555555))  # plane 3 (the top bit): even tokens only
     args[5] = codes
     args[0] = torch.ones_like(args[0])
     args[7] = torch.full_like(args[7], 0.01)  # key scales
