@@ -16,7 +16,7 @@ the ``Hq / H`` query heads of one KV head (padded to a power-of-two block of at 
 16 rows for ``tl.dot`` and masked) and keeps an online softmax (running max ``m``,
 denominator ``l``, unnormalized output ``acc``, all float32, scores in the log2
 domain). Split ``s`` takes the ``s``-th slice of this sequence's packed chunks
-(32 tokens: one bit-plane word row of one group), split 0 also the sinks, the last
+(32 consecutive tokens of one group), split 0 also the sinks, the last
 split the residual. Kernel 2 merges the splits with log-sum-exp weights; a sequence
 with no valid token gets zeros.
 
@@ -99,22 +99,33 @@ def _attend_dense(
 @triton.jit
 def _key_bits(channel, C: tl.constexpr, token, G: tl.constexpr):
     """Offset (within one plane of one group: ``word row * C + word``) and bit of ``token`` ``[32]``
-    (within the group) of channel ``channel`` ``[N]`` of a key codes tensor of ``C`` channels, in the
-    operand order of ``quantize.py``. Thread-owned words (``C`` a multiple of 32, ``G`` of 64): token
-    (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit ``8 byte
-    + 4 tile + 2 half + row half`` of word (tile pair, ``32 chunk + 4 lane row + lane column``). Else
-    a channel of a run of four is byte ``channel % 4`` of the run's word ``token % 32 // 8`` and the
-    last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
+    (the group's first 32; :func:`_key_chunk_step` moves them to the others) of channel ``channel``
+    ``[N]`` of a key codes tensor of ``C`` channels, in the operand order of ``quantize.py``.
+    Thread-owned words (``C`` a multiple of 32, ``G`` of 64): token (tile, tile pair, row half, lane
+    row) of channel (chunk, half, lane column, byte) is bit ``8 byte + 4 tile + 2 half + row half``
+    of word (tile pair, ``32 chunk + 4 lane row + lane column``). Else a channel of a run of four is
+    byte ``channel % 4`` of the run's word ``token // 8`` and the last ``C % 4`` channels keep plain
+    words. Both ``[32, N]``."""
     c = channel[None, :]
     t = token[:, None]
+    if C % 32 == 0 and G % 64 == 0:  # the first 32 tokens: tile 0, tile pairs 0 and 1
+        word = 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
+        return t // 16 * C + word, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
+    in_run = c < 4 * (C // 4)
+    return tl.where(in_run, 4 * (c // 4) + t // 8, c), tl.where(in_run, 8 * (c % 4) + t % 8, t)
+
+
+@triton.jit
+def _key_chunk_step(word, C: tl.constexpr, G: tl.constexpr):
+    """What tokens ``32 word .. 32 word + 31`` of a group add to :func:`_key_bits`' offsets and bits
+    of its first 32. Thread-owned words: their tile (tiles ``DISTANCE`` tokens apart,
+    ``quantize.key_tile_distance``) moves the bits by 4, their tile pairs the word rows; else one word
+    row per 32 tokens."""
     if C % 32 == 0 and G % 64 == 0:
         DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32
-        row = t // (2 * DISTANCE) * (DISTANCE // 16) + t % DISTANCE // 16
-        word = 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
-        return row * C + word, 8 * (c % 4) + 4 * (t // DISTANCE % 2) + 2 * (c // 16 % 2) + t // 8 % 2
-    in_run = c < 4 * (C // 4)
-    word = tl.where(in_run, 4 * (c // 4) + t % 32 // 8, c)
-    return t // 32 * C + word, tl.where(in_run, 8 * (c % 4) + t % 8, t % 32)
+        first = 32 * word
+        return (first // (2 * DISTANCE) * (DISTANCE // 16) + first % DISTANCE // 16) * C, 4 * (first // DISTANCE % 2)
+    return word * C, 0
 
 
 @triton.jit
@@ -183,7 +194,7 @@ def _decode_split_kernel(
     )
 
     # Packed groups: this split's slice of the sequence's 32-token chunks. Chunk j is
-    # word j % (G/32) of group j // (G/32), i.e. tokens 32 j .. 32 j + 31.
+    # tokens 32 (j % (G/32)) .. + 31 of group j // (G/32), i.e. tokens 32 j .. 32 j + 31.
     WORDS = G // 32
     n_chunks = tl.minimum(tl.load(num_groups_ptr + b), group_cap) * WORDS
     per_split = tl.cdiv(n_chunks, num_splits)
@@ -196,8 +207,10 @@ def _decode_split_kernel(
     is_high = offs_d < C_HIGH
     low_mask = (offs_d >= C_HIGH) & d_mask
     offs_n = tl.arange(0, 32)
-    kh_base = kc_high_ptr + b * s_khb + h * s_khh
-    kl_base = kc_low_ptr + b * s_klb + h * s_klh
+    high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, G)
+    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, G)
+    kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_offset
+    kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_offset
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
     # Values: per token, BITS_V planes of D/32 words, in the operand order of quantize.py per
@@ -216,17 +229,18 @@ def _decode_split_kernel(
     for chunk in range(split * per_split, chunk_end):
         group = chunk // WORDS
         word = chunk % WORDS
-        # Token n of the chunk: word and bit of each channel in a plane of its group (_key_bits).
-        high_offset, high_bit = _key_bits(offs_d, C_HIGH, 32 * word + offs_n, G)
-        low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, 32 * word + offs_n, G)
+        # Token n of the chunk: word and bit of each channel in a plane of its group (_key_bits, moved
+        # to this chunk by _key_chunk_step).
+        high_step, high_bit_step = _key_chunk_step(word, C_HIGH, G)
+        low_step, low_bit_step = _key_chunk_step(word, C_LOW, G)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
             if p < BITS_HIGH:
-                bits = tl.load(kh_base + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_offset, mask=is_high[None, :], other=0)
-                codes |= ((bits >> high_bit) & 1) << p
+                bits = tl.load(kh_ptrs + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_step, mask=is_high[None, :], other=0)
+                codes |= ((bits >> (high_bit + high_bit_step)) & 1) << p
             if p < BITS_LOW:
-                bits = tl.load(kl_base + (group * BITS_LOW + p) * WORDS * C_LOW + low_offset, mask=low_mask[None, :], other=0)
-                codes |= ((bits >> low_bit) & 1) << p
+                bits = tl.load(kl_ptrs + (group * BITS_LOW + p) * WORDS * C_LOW + low_step, mask=low_mask[None, :], other=0)
+                codes |= ((bits >> (low_bit + low_bit_step)) & 1) << p
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         # q . (zero + code * scale) = (q * scale) . code + q . zero; codes are exact in fp16/bf16.

@@ -17,7 +17,7 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
   operand order (``pnmix_patch/quantize.py``), one byte per K column. Thread-owned key words
-  (every preset's codes tensors but ``pnmix-2``'s): a thread's word of a 32-channel chunk holds
+  (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word of a 32-channel chunk holds
   all its registers' bits, rows g and g + 8 of its warp's two 16-token tiles (:func:`step_tokens`
   128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
   words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
@@ -60,8 +60,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   itself. While a group's key products run, the ``cp.async`` copies of the codes of the next
   ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
   scores are made, and runs during its softmax and value products (until the twenty-eighth session
-  it started with the group: ``STAGES - 1`` in flight throughout; ``STAGES`` other than 3 was not
-  timed since). The 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go through
+  it started with the group: ``STAGES - 1`` in flight throughout; 2 and 4 stages timed again
+  with the thread-owned key words, :func:`default_splits`). The 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go through
   registers and are stored once the group's last step has read its token scales. The value words'
   buffer is swizzled (:func:`value_shared_layout`). Without staging the
   kernel waited on memory: the same instructions took 1.5-2x as long.
@@ -269,7 +269,7 @@ def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout
 
 
 @functools.cache
-def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_distance: int = 0) -> dict:
+def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_distance: int) -> dict:
     """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
     are half the head wide), ``query_rows`` rows of query operands (the query heads per KV head
@@ -440,8 +440,8 @@ def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_H
                   COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
     """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
     per program: the key words ``[PLANES * G / 32, D / 4, 4]`` (row p * G / 32 + w: word row w of
-    plane p; ``[q, b]``: operand word b of the run of stored channels 4q .. 4q + 3, tokens 32w + 8b ..
-    32w + 8b + 7) as offsets into the high or the low
+    plane p; ``[q, b]``: word 4q + b of the row, stored channel 4q + b's position, as the cache holds
+    them in operand order: thread-owned or byte quads) as offsets into the high or the low
     codes (``is_high``), ``present`` where the channel has the plane (zeros elsewhere, and in the
     padding planes); the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
     WORDS: gl.constexpr = G // 32
@@ -465,8 +465,8 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
                       BITS_LOW: gl.constexpr, BITS_V: gl.constexpr):
     """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
     bases; ``offsets``: :func:`_copy_offsets`) into ``stage`` of the shared buffers: the key words
-    (runs of four channels' words, each a run of operand words) and the value words (the group's,
-    in operand order). Nothing is read when not ``valid`` (a group past this split's end). One
+    (runs of four words of a word row, as stored) and the value words (the group's, in operand
+    order). Nothing is read when not ``valid`` (a group past this split's end). One
     copy per buffer: copies into one buffer are each fenced by a barrier."""
     is_high, key_offsets, present, value_offsets = offsets
     WORDS: gl.constexpr = G // 32
@@ -1025,13 +1025,19 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     142, three programs per multiprocessor) and ``STAGES`` = 3 (then, two groups' copies in flight while
     the third stage was read; before the cache stored operand order, the kernel had two stages and a
     byte-transposed copy, the same shared memory). Measured on an H200 before the twenty-eighth session
-    moved the copies later in the group (module docstring; not measured since) (pnmix-1, bf16,
+    moved the copies later in the group (module docstring) (pnmix-1, bf16,
     ``benchmarks/diagnostics/stages_sweep.py``, ``benchmarks/results/stages_sweep_operand_order.json``):
     batch 32 / 32K 324.0 us, against 326.3 with 4 stages, 328.8 with 2 and 328.4 with 96 registers and
     5 slots; 2 stages are 2% faster at batch 8 / 16K (52.1 against 53.2) and 1 / 32K (16.7 against 17.0). Its instructions depend on shared-memory loads
     closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
     fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
-    ``kernel_ab_registers96_adjacent.json``). With 64-token groups the kernel takes 96 registers
+    ``kernel_ab_registers96_adjacent.json``). Timed again with the thread-owned key words (bf16,
+    ``benchmarks/results/kernel_ab_owned_variants.json``; us, at the split count filling the slots): at
+    batch 32 / 32K pnmix-1 260.4 (3 stages) against 263.7 (2), 259.4 (4), 261.1 (2 stages, 96
+    registers, 5 slots), 266.2 (3 stages, 96 registers); at batch 580 / 8K 1,181.3 against 1,192.6,
+    1,174.6, 1,243.4, 1,196.6; kivi-2 at batch 32 / 32K 280.0 against 280.0, 281.7, 282.3, 280.8. At
+    batch 1 and 8, 2 stages are 2-4% faster (pnmix-1 1 / 32K 14.8 against 15.3, 8 / 16K 41.0 against
+    42.0) and at batch 8 the fifth program 4% (40.2); the defaults stay, chosen for the large batches. With 64-token groups the kernel takes 96 registers
     (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots: filling 5,
     pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.996x the time at batch 8 to 64
     (541.3 against 551.2 us at batch 32 / 32K; ``kernel_ab_registers96_pnmix2.json``). Measured on
@@ -1056,8 +1062,7 @@ def kernel_constants(
     query_rows = block_q // 2 if paired else block_q
     tokens = step_tokens(group_size, bits_value)
     owned = thread_owned_keys(group_size, num_high)
-    if owned != thread_owned_keys(group_size, head_dim - num_high):
-        raise ValueError(f"num_high={num_high} and head_dim={head_dim}: both key codes tensors must be thread-owned or neither")
+    assert owned == thread_owned_keys(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
     key_distance = key_tile_distance(group_size) if owned else 0
     kernel_layouts = layouts(head_dim, high_width, query_rows, tokens, key_distance)
     mma = kernel_layouts["MMA"]

@@ -7,7 +7,7 @@ reference read the same cache. Used when the residual buffer is flushed.
 One program quantizes one group (``G`` tokens x all ``D`` channels) of one
 (sequence, KV head). Channels are gathered into the stored order (``order``:
 selected-pair channels first), so stored channel ``c`` is high-bit iff
-``c < num_high``. Two passes over the group's 32-token rows:
+``c < num_high``. Two passes over the group's tokens:
 
 1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
 2. codes from the *stored* scale/zero, then for each bit plane ``p`` the words of bit ``p``
@@ -68,7 +68,7 @@ def _pack_key_channels(
 ):
     """One part of :func:`pack_key_group`: stored channels ``FIRST .. FIRST + COUNT`` (the selected
     or the other ones), channel ``c`` of its codes tensor being stored channel ``FIRST + c``, at
-    ``BITS`` bits. A part has its own tensor, whose runs of four channels are in operand order."""
+    ``BITS`` bits. A part has its own tensor, in the operand order its channel count gives it."""
     words: tl.constexpr = G // 32
     offs_c = tl.arange(0, BLOCK_C)  # channel of the part
     c_mask = offs_c < COUNT
@@ -104,7 +104,7 @@ def _pack_key_channels(
         # Thread-owned words (quantize.py): a block of 2 * DISTANCE tokens is PAIRS word rows; token
         # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit
         # 8 byte + 4 tile + 2 half + row half of word (tile pair, 32 chunk + 4 lane row + lane column).
-        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32
+        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32  # quantize.key_tile_distance
         PAIRS: tl.constexpr = DISTANCE // 16
         offs_b = tl.arange(0, 2 * DISTANCE)
         position = (8 * (offs_c % 4) + 2 * ((offs_c // 16) % 2))[None, :] + (4 * (offs_b // DISTANCE) + (offs_b // 8) % 2)[:, None]

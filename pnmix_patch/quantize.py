@@ -59,17 +59,19 @@ plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_ord
 
 - keys, thread-owned words, in a codes tensor of a multiple of 32 channels with ``G`` a
   multiple of 64 (:func:`thread_owned_keys`: every preset's tensors at head dim 64 and 128
-  but ``pnmix-2``'s, 52 and 76 channels at 128). Each word holds the 32 bits one thread of
-  the kernel's MMA needs of a 32-channel chunk: the rows ``g`` and ``g + 8`` of two
-  16-token tiles ``D`` tokens apart (:func:`key_tile_distance`: ``D`` = 64, or 32 where ``G``
-  is not a multiple of 128) and the channels ``4l .. 4l + 3`` and ``16 + 4l .. 16 + 4l + 3``.
-  Token ``t`` of the group is (block ``t // 2D``, tile ``t // D % 2``, tile pair ``t % D //
-  16``, row half ``t // 8 % 2``, lane row ``g = t % 8``); channel ``c`` of the tensor is
-  (chunk ``c // 32``, half ``c // 16 % 2``, lane column ``l = c // 4 % 4``, byte ``i = c %
-  4``). Its code bit is bit ``8i + 4 tile + 2 half + row half`` of word row ``block * D/16
-  + tile pair``, word ``32 chunk + 4g + l``. Before the twenty-ninth session every key
-  tensor was stored as below, where a word serves eight threads, so eight of them read it:
-  the thread-owned words cut the kernel's time at batch 32 by 7-10%
+  but ``pnmix-2``'s, 52 and 76 channels at 128, 26 and 38 at 64, and ``kitty``'s at 64, 16
+  and 48). Each word holds the 32 bits one thread of the kernel's MMA needs of a 32-channel
+  chunk: the rows ``g`` and ``g + 8`` of two 16-token tiles ``S`` tokens apart
+  (:func:`key_tile_distance`: ``S`` = 64, or 32 where ``G`` is not a multiple of 128) and
+  the channels ``4l .. 4l + 3`` and ``16 + 4l .. 16 + 4l + 3`` (a kernel step of 128 tokens
+  gives a warp both tiles; in a step of 64 tokens a warp holds one of them and uses half of
+  each word). Token ``t`` of the group is (block ``t // 2S``, tile ``t // S % 2``, tile pair
+  ``t % S // 16``, row half ``t // 8 % 2``, lane row ``g = t % 8``); channel ``c`` of the
+  tensor is (chunk ``c // 32``, half ``c // 16 % 2``, lane column ``l = c // 4 % 4``, byte
+  ``i = c % 4``). Its code bit is bit ``8i + 4 tile + 2 half + row half`` of word row
+  ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``. Before the twenty-ninth session
+  every key tensor was stored as below, where a word serves eight threads, so eight of them
+  read it: the thread-owned words cut the kernel's time at batch 32 by 7-10%
   (``benchmarks/results/kernel_ab_thread_owned_keys.json``);
 - keys of other tensors: the words of four consecutive stored channels ``4q .. 4q + 3``
   (same plane and word row) are byte-transposed (:func:`transpose_byte_quads`: in a run of
@@ -90,7 +92,8 @@ plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_ord
   ``channel // 4``). A last block of fewer than ``G`` tokens stays plain (bit planes).
 
 A reader that wants plain words applies the inverse (:func:`keys_from_operand_order`,
-:func:`values_from_operand_order`); the unpacking functions below do.
+:func:`values_from_operand_order`); the unpacking functions below (:func:`unpack_keys`,
+:func:`unpack_values`) read the codes without rebuilding plain words.
 """
 
 from __future__ import annotations
@@ -225,18 +228,21 @@ def _thread_owned_dims(group_size: int, channels: int) -> tuple[tuple[int, ...],
     return (group_size // (2 * distance), 2, distance // 16, 2, 8), (channels // 32, 2, 4, 4)
 
 
-def _key_token_bits(codes: torch.Tensor) -> torch.Tensor:
-    """Bits ``uint8[..., G, C]`` (token, channel) of key words ``[..., G/32, C]`` as stored."""
-    *lead, rows, channels = codes.shape
+def _in_token_order(per_bit: torch.Tensor) -> torch.Tensor:
+    """Values ``[..., G/32, C, 32]`` at the bits of key words as stored (a bit, or a code made of the
+    planes' bits) -> ``[..., G, C]`` by token and channel."""
+    *lead, rows, channels, _ = per_bit.shape
     group_size = 32 * rows
     if thread_owned_keys(group_size, channels):
         token_dims, channel_dims = _thread_owned_dims(group_size, channels)
         sizes = token_dims + channel_dims
-        bits = _bits_of_words(codes).reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
-        bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS))
-    else:
-        bits = _bits_of_words(transpose_byte_quads(codes, -1)).transpose(-1, -2)  # [..., rows, 32, C]
-    return bits.reshape(*lead, group_size, channels)
+        per_bit = per_bit.reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
+        return per_bit.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS)).reshape(*lead, group_size, channels)
+    # Byte quads: bit 8i + j of word 4q + b is token 8b + j of channel 4q + i; the last C % 4 words plain.
+    full = channels - channels % 4
+    runs = per_bit[..., :full, :].unflatten(-2, (full // 4, 4)).unflatten(-1, (4, 8)).transpose(-3, -2)
+    plain = torch.cat([runs.reshape(*lead, rows, full, WORD_BITS), per_bit[..., full:, :]], -2)
+    return plain.transpose(-1, -2).reshape(*lead, group_size, channels)
 
 
 def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
@@ -255,16 +261,21 @@ def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
 def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`keys_to_operand_order`."""
     *lead, rows, channels = codes.shape
-    bits = _key_token_bits(codes).reshape(*lead, rows, WORD_BITS, channels)
+    bits = _in_token_order(_bits_of_words(codes)).reshape(*lead, rows, WORD_BITS, channels)
     return _words_of_bits(bits.transpose(-1, -2))
 
 
 def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``int32[..., G, C]`` of a key codes tensor ``[..., b, G/32, C]`` as :func:`quantize_keys`
     stores it (``b`` bit planes in operand order)."""
-    bits = _key_token_bits(codes)
-    planes = torch.arange(codes.shape[-3], dtype=torch.int32, device=codes.device).view(-1, 1, 1)
-    return (bits.to(torch.int32) << planes).sum(-3, dtype=torch.int32)
+    planes, rows, channels = codes.shape[-3:]
+    if not thread_owned_keys(32 * rows, channels):  # plain words: [..., C, b, G/32] -> [..., C, G]
+        return unpack_bits(transpose_byte_quads(codes, -1).movedim(-1, -3)).transpose(-1, -2)
+    # Each bit position's code, planes combined (in bytes for codes of at most 8 bits), then put in token order.
+    dtype = torch.uint8 if planes <= 8 else torch.int32
+    weights = torch.arange(planes, dtype=dtype, device=codes.device).view(planes, 1, 1, 1)
+    per_bit = (_bits_of_words(codes).to(dtype) << weights).sum(-4, dtype=dtype)
+    return _in_token_order(per_bit).to(torch.int32)
 
 
 def check_token_block(token_block: int) -> None:

@@ -1,7 +1,8 @@
 """The Gluon decode-attention kernel against an earlier copy of it, side by side in one process (GPU).
 
     git show COMMIT:kernels/decode_attention_mma.py > /tmp/baseline_mma.py
-    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline | --plane-values-baseline] [--out DIR]
+    python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline | --plane-values-baseline
+        | --byte-quad-keys-baseline] [--out DIR]
 
 The copy is loaded as a module of ``pnmix_patch.kernels`` (its relative imports resolve there),
 so it runs with today's Triton kernel helpers and merge kernel. For each preset and shape of
@@ -90,9 +91,9 @@ def plain_codes(cache: tuple) -> tuple:
 
 def plane_values(cache: tuple) -> tuple:
     """``build_cache``'s arguments with the value words as bit planes in operand order (no 2-bit
-    fields: the packed layout before ``--plane-values-baseline`` was added), for a baseline kernel
-    from before then."""
-    cache = list(cache)
+    fields: the packed layout before ``--plane-values-baseline`` was added; the keys in the byte-quad
+    order of then, :func:`byte_quad_keys`), for a baseline kernel from before then."""
+    cache = list(byte_quad_keys(cache))
     group_size = 32 * cache[5].shape[4]
     converted = torch.empty_like(cache[9])
     with mock.patch.object(quantize, "planes_to_fields", lambda words: words):

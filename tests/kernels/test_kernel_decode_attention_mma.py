@@ -136,7 +136,7 @@ def linear_element(bases: tuple, register: int, lane: int, warp: int) -> list:
 
 
 @pytest.mark.parametrize("group_size, tokens, step", [(128, 128, 0), (256, 128, 1), (128, 64, 1), (256, 64, 2), (64, 64, 0)])
-@pytest.mark.parametrize("cols", [32, 64])
+@pytest.mark.parametrize("cols", [32, 64, 128])
 def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, tokens, step, cols):
     """Thread-owned key words (``quantize.py``) as the kernel reads them: each thread loads the word
     the words' layout gives it (``_key_owned_layouts``) from the step's word rows, shifts it by 2
@@ -149,6 +149,11 @@ def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, to
     assert quantize.thread_owned_keys(group_size, cols)
     key_bytes, key_words = mma._key_owned_layouts(cols, tokens, distance)
     operand = mma._a8_operand_bases(tokens, cols)
+    # The split layout, reshaped to [T, cols], is the operand layout (the kernel's trivial conversion).
+    for (tile, pair, row_half, lane_row, chunk, half, lane_column, in_register), (t, k) in zip(
+        key_bytes.reg_bases + key_bytes.lane_bases + key_bytes.warp_bases, operand[0] + operand[1] + operand[2], strict=True
+    ):
+        assert (t, k) == (tile * distance + pair * 16 + row_half * 8 + lane_row, chunk * 32 + half * 16 + lane_column * 4 + in_register)
     word_bases = (key_words.reg_bases, key_words.lane_bases, key_words.warp_bases)
     first_row, first_tile = step * tokens // (2 * distance) * (distance // 16), step * tokens // distance % 2
     for warp in range(4):
