@@ -243,9 +243,10 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels):
     assert torch.equal(keys_from_operand_order(ordered), plain)
 
 
-@pytest.mark.parametrize("rows, channels", [(4, 64), (2, 32), (2, 26), (3, 64), (2, 0)])
-def test_unpack_keys_reads_the_stored_codes(rows, channels):
-    plain = random_words(2, 3, rows, channels, seed=channels)  # [groups, 3 planes, word rows, C]
+@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 32, 3), (2, 26, 3), (3, 64, 3), (2, 0, 3), (4, 32, 9), (2, 26, 9)])
+def test_unpack_keys_reads_the_stored_codes(rows, channels, planes):
+    """Codes of 3 bits, and of 9 (past the bytes the planes are combined in up to 8 bits)."""
+    plain = random_words(2, planes, rows, channels, seed=channels + planes)  # [groups, planes, word rows, C]
     codes = unpack_keys(keys_to_operand_order(plain))
     assert codes.shape == (2, 32 * rows, channels)
     assert torch.equal(codes, unpack_bits(plain.permute(0, 3, 1, 2)).transpose(-1, -2))
