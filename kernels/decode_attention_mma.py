@@ -61,7 +61,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
   scores are made, and runs during its softmax and value products (until the twenty-eighth session
   it started with the group: ``STAGES - 1`` in flight throughout; 2 and 4 stages timed again
-  with the thread-owned key words, :func:`default_splits`). The 16-bit scales and zeros, whose alignment ``cp.async`` cannot assume, go through
+  with the thread-owned key words, :func:`default_splits`). The 16-bit scales and zeros, whose
+  alignment ``cp.async`` cannot assume, go through
   registers and are stored once the group's last step has read its token scales. The value words'
   buffer is swizzled (:func:`value_shared_layout`). Without staging the
   kernel waited on memory: the same instructions took 1.5-2x as long.
@@ -1037,7 +1038,8 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     registers, 5 slots), 266.2 (3 stages, 96 registers); at batch 580 / 8K 1,181.3 against 1,192.6,
     1,174.6, 1,243.4, 1,196.6; kivi-2 at batch 32 / 32K 280.0 against 280.0, 281.7, 282.3, 280.8. At
     batch 1 and 8, 2 stages are 2-4% faster (pnmix-1 1 / 32K 14.8 against 15.3, 8 / 16K 41.0 against
-    42.0) and at batch 8 the fifth program 4% (40.2); the defaults stay, chosen for the large batches. With 64-token groups the kernel takes 96 registers
+    42.0) and at batch 8 the fifth program 4% (40.2); the defaults stay, chosen for the large batches.
+    With 64-token groups the kernel takes 96 registers
     (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots: filling 5,
     pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.996x the time at batch 8 to 64
     (541.3 against 551.2 us at batch 32 / 32K; ``kernel_ab_registers96_pnmix2.json``). Measured on
