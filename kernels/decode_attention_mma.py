@@ -17,9 +17,9 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
   operand order (``pnmix_patch/quantize.py``), one byte per K column. Thread-owned key words
-  (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word of a 32-channel chunk holds
-  all its registers' bits, rows g and g + 8 of its warp's two 16-token tiles (:func:`step_tokens`
-  128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
+  (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word
+  of a 32-channel chunk holds all its registers' bits, rows g and g + 8 of its warp's two 16-token
+  tiles (:func:`step_tokens` 128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
   words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
   register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
   (:func:`_key_row_factors`). Else (words byte-transposed in runs of four) a key word holds 8 rows

@@ -156,25 +156,30 @@ def _to_int32(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
+def _bits_of_words(words: torch.Tensor) -> torch.Tensor:
+    """Bits ``uint8[..., n, 32]`` of int32 words ``[..., n]``: bit ``b`` of word ``w`` at ``[w, b]``."""
+    if sys.byteorder == "little":
+        # Bytes throughout (a quarter of int32's memory traffic; dequantize_keys 1.6-2.1x faster at 16K
+        # tokens on a 2-core CPU, benchmarks/RESULTS.md): bit b of a word is bit b % 8 of its byte b // 8.
+        word_bytes = words.to(torch.int32).flatten().view(torch.uint8).reshape(*words.shape, 4, 1)
+        return ((word_bytes >> torch.arange(8, dtype=torch.uint8, device=words.device)) & 1).reshape(*words.shape, 32)
+    # int32 (2-5x faster on CPU than int64): the arithmetic shift of a negative word still leaves bit 31 in bit 0.
+    return ((words.to(torch.int32).unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)) & 1).to(torch.uint8)
+
+
+def _codes_per_bit(planes: torch.Tensor, word_dims: int) -> torch.Tensor:
+    """The code at each bit position of bit-plane words ``[..., b, *words]`` (``words``: the last
+    ``word_dims`` dims): ``[..., *words, 32]``, bit ``p`` of a code from plane ``p``. Combined in bytes
+    for codes of at most 8 bits, else int32."""
+    count = planes.shape[-1 - word_dims]
+    dtype = torch.uint8 if count <= 8 else torch.int32
+    weights = torch.arange(count, dtype=dtype, device=planes.device).view(count, *[1] * (word_dims + 1))
+    return (_bits_of_words(planes).to(dtype) << weights).sum(-2 - word_dims, dtype=dtype)
+
+
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``int32[..., bits, n/32]`` to codes ``int32[..., n]``."""
-    bits, words = packed.shape[-2], packed.shape[-1]
-    if bits <= 8 and sys.byteorder == "little":
-        # Bytes throughout (a quarter of int32's memory traffic; dequantize_keys 1.6-2.1x faster at 16K
-        # tokens on a 2-core CPU, benchmarks/RESULTS.md): code i of a word is bit i % 8 of its byte
-        # i // 8 (little-endian), and codes of at most 8 bits fit a byte.
-        packed_bytes = packed.to(torch.int32).flatten().view(torch.uint8).reshape(*packed.shape[:-1], 4 * words)
-        positions = torch.arange(8, dtype=torch.uint8, device=packed.device)
-        planes = torch.arange(bits, dtype=torch.uint8, device=packed.device).view(bits, 1, 1)
-        codes = (((packed_bytes.unsqueeze(-1) >> positions) & 1) << planes).sum(-3, dtype=torch.uint8)
-        return codes.reshape(*packed.shape[:-2], words * WORD_BITS).to(torch.int32)
-    positions = torch.arange(WORD_BITS, dtype=torch.int32, device=packed.device)
-    planes = torch.arange(bits, dtype=torch.int32, device=packed.device).view(bits, 1, 1)
-    # int32 (2-5x faster on CPU than int64): the arithmetic shift of a negative word still leaves
-    # bit 31 in bit 0.
-    bit_values = (packed.to(torch.int32).unsqueeze(-1) >> positions) & 1
-    codes = (bit_values << planes).sum(-3, dtype=torch.int32)
-    return codes.reshape(*packed.shape[:-2], words * WORD_BITS)
+    return _codes_per_bit(packed, 1).reshape(*packed.shape[:-2], packed.shape[-1] * WORD_BITS).to(torch.int32)
 
 
 def transpose_byte_quads(words: torch.Tensor, dim: int) -> torch.Tensor:
@@ -208,14 +213,6 @@ def thread_owned_keys(group_size: int, channels: int) -> bool:
     return channels % 32 == 0 and group_size % 64 == 0
 
 
-def _bits_of_words(words: torch.Tensor) -> torch.Tensor:
-    """Bits ``uint8[..., n, 32]`` of int32 words ``[..., n]``: bit ``b`` of word ``w`` at ``[w, b]``."""
-    if sys.byteorder == "little":  # bytes: a quarter of int32's memory traffic (see unpack_bits)
-        word_bytes = words.to(torch.int32).flatten().view(torch.uint8).reshape(*words.shape, 4, 1)
-        return ((word_bytes >> torch.arange(8, dtype=torch.uint8, device=words.device)) & 1).reshape(*words.shape, 32)
-    return ((words.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)) & 1).to(torch.uint8)
-
-
 def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_bits_of_words`."""
     return _to_int32((bits.to(torch.int64) << torch.arange(WORD_BITS, device=bits.device)).sum(-1))
@@ -229,20 +226,13 @@ def _thread_owned_dims(group_size: int, channels: int) -> tuple[tuple[int, ...],
 
 
 def _in_token_order(per_bit: torch.Tensor) -> torch.Tensor:
-    """Values ``[..., G/32, C, 32]`` at the bits of key words as stored (a bit, or a code made of the
-    planes' bits) -> ``[..., G, C]`` by token and channel."""
+    """Values ``[..., G/32, C, 32]`` at the bits of thread-owned key words (a bit, or a code made of
+    the planes' bits) -> ``[..., G, C]`` by token and channel."""
     *lead, rows, channels, _ = per_bit.shape
-    group_size = 32 * rows
-    if thread_owned_keys(group_size, channels):
-        token_dims, channel_dims = _thread_owned_dims(group_size, channels)
-        sizes = token_dims + channel_dims
-        per_bit = per_bit.reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
-        return per_bit.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS)).reshape(*lead, group_size, channels)
-    # Byte quads: bit 8i + j of word 4q + b is token 8b + j of channel 4q + i; the last C % 4 words plain.
-    full = channels - channels % 4
-    runs = per_bit[..., :full, :].unflatten(-2, (full // 4, 4)).unflatten(-1, (4, 8)).transpose(-3, -2)
-    plain = torch.cat([runs.reshape(*lead, rows, full, WORD_BITS), per_bit[..., full:, :]], -2)
-    return plain.transpose(-1, -2).reshape(*lead, group_size, channels)
+    token_dims, channel_dims = _thread_owned_dims(32 * rows, channels)
+    sizes = token_dims + channel_dims
+    per_bit = per_bit.reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
+    return per_bit.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS)).reshape(*lead, 32 * rows, channels)
 
 
 def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
@@ -261,6 +251,8 @@ def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
 def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`keys_to_operand_order`."""
     *lead, rows, channels = codes.shape
+    if not thread_owned_keys(32 * rows, channels):
+        return transpose_byte_quads(codes, -1)  # its own inverse
     bits = _in_token_order(_bits_of_words(codes)).reshape(*lead, rows, WORD_BITS, channels)
     return _words_of_bits(bits.transpose(-1, -2))
 
@@ -268,14 +260,10 @@ def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
 def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``int32[..., G, C]`` of a key codes tensor ``[..., b, G/32, C]`` as :func:`quantize_keys`
     stores it (``b`` bit planes in operand order)."""
-    planes, rows, channels = codes.shape[-3:]
+    rows, channels = codes.shape[-2:]
     if not thread_owned_keys(32 * rows, channels):  # plain words: [..., C, b, G/32] -> [..., C, G]
         return unpack_bits(transpose_byte_quads(codes, -1).movedim(-1, -3)).transpose(-1, -2)
-    # Each bit position's code, planes combined (in bytes for codes of at most 8 bits), then put in token order.
-    dtype = torch.uint8 if planes <= 8 else torch.int32
-    weights = torch.arange(planes, dtype=dtype, device=codes.device).view(planes, 1, 1, 1)
-    per_bit = (_bits_of_words(codes).to(dtype) << weights).sum(-4, dtype=dtype)
-    return _in_token_order(per_bit).to(torch.int32)
+    return _in_token_order(_codes_per_bit(codes, 2)).to(torch.int32)
 
 
 def check_token_block(token_block: int) -> None:
