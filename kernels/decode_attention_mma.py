@@ -46,8 +46,13 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 - Every key bit plane meets the same B operand, the planes weighted by Horner's scheme: from the
   top plane down, the integer accumulators are doubled and the next plane's MMA is added (one
   shift per accumulator register and plane instead of one operand per plane and tile, or 2^p
-  MMAs for plane p); 4-bit values' two field words likewise, times 4. The key sums stay far inside int32 (at most 128 channels x 15 x 127 x 128
-  = 3.1e7 with 4-bit codes); their high and low parts are combined in float32.
+  MMAs for plane p); 4-bit values' two field words likewise, times 4. The key sums stay far inside
+  int32 (at most 128 channels x 15 x 127 x 2^5 = 7.8e6 with 4-bit codes and thread-owned words,
+  whose rows read their codes at most 2^5 times too large; 2^7 with byte quads). Their high and
+  low parts are combined as ``128 * high + low`` in int32 for thread-owned words (under 1.01e9)
+  and in float32 for byte quads; the int32 sum cut pnmix-1's packed loop from 509 to 504
+  instructions per warp and group and took 0.98-0.99x the time at batch 32 on an H200 (bf16,
+  ``benchmarks/results/segment_cost_integer_scores.json``).
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
   8 columns hold each head twice, its high parts in column 2j and its low parts in column 2j + 1,
   so one MMA makes both (half the MMAs and B-operand loads). A thread's accumulator registers hold
@@ -55,7 +60,14 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   softmax works on one score per token and head (``[T, 4]``, :func:`heads_layout`). With more heads
   the parts are two MMAs.
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
-  rest (``b_L`` planes), so a channel costs only the planes it has.
+  rest (``b_L`` planes), so a channel costs only the planes it has; the shared buffer of a group's
+  key words holds each tile's planes only, the second tile's after the first's
+  (:func:`_copy_offsets`). Until the thirtieth session it held every channel at the most planes
+  either tile has, rounded up to a power of two, and the copies filled the absent planes with zeros
+  (pnmix-1: 8 KB per group copied for 4 KB of words, two 16-byte ``cp.async`` of four per thread
+  writing zeros); without them pnmix-1 took 0.97-0.98x the time at batch 32 on an H200 (bf16,
+  ``benchmarks/results/segment_cost_copy_check.json``), and pnmix-2 0.93-0.95x its time in the
+  matrix before (``bench_attention_compact_key_copy.json``).
 - Key groups are staged in shared memory: ``STAGES`` buffers, the operands read from the buffer
   itself. While a group's key products run, the ``cp.async`` copies of the codes of the next
   ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
@@ -437,23 +449,28 @@ def _int8(x):
 
 @gluon.jit
 def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
-                  BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, PLANES: gl.constexpr,
-                  COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
+                  BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, W_HIGH: gl.constexpr, KEY_ROWS: gl.constexpr,
+                  LOW_ROW: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
     """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
-    per program: the key words ``[PLANES * G / 32, D / 4, 4]`` (row p * G / 32 + w: word row w of
-    plane p; ``[q, b]``: word 4q + b of the row, stored channel 4q + b's position, as the cache holds
-    them in operand order: thread-owned or byte quads) as offsets into the high or the low
-    codes (``is_high``), ``present`` where the channel has the plane (zeros elsewhere, and in the
-    padding planes); the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
+    per program: the key words ``[KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width), the first key
+    tile's planes from row 0 on and the second's from row ``LOW_ROW`` on (row p * G / 32 + w of a
+    tile: word row w of its plane p; ``[q, b]``: word 4q + b of the row, the tile's stored channel 4q
+    + b, as the cache holds them in operand order: thread-owned or byte quads) as offsets into the
+    high or the low codes (``is_high``), ``present`` where the channel has the plane (zeros
+    elsewhere: a first tile's channels past ``C_HIGH`` that have fewer planes, and the padding rows);
+    the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
     WORDS: gl.constexpr = G // 32
-    row = gl.expand_dims(gl.expand_dims(gl.arange(0, PLANES * WORDS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
-    quad = gl.expand_dims(gl.expand_dims(gl.arange(0, D // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
+    W_LOW: gl.constexpr = D - W_HIGH
+    W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
+    row = gl.expand_dims(gl.expand_dims(gl.arange(0, KEY_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
+    quad = gl.expand_dims(gl.expand_dims(gl.arange(0, W_TILE // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
     within = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_KEYS))), 0), 1)
-    plane = row // WORDS
-    channel = 4 * quad + within
+    in_low = (row >= LOW_ROW) & (W_LOW > 0)  # rows of the second tile (and the padding after it)
+    tile_row = gl.where(in_low, row - LOW_ROW, row)
+    plane = tile_row // WORDS
+    channel = gl.where(in_low, W_HIGH, 0) + 4 * quad + within
     is_high = channel < C_HIGH
-    key_offsets = gl.where(is_high, (plane * WORDS + row % WORDS) * C_HIGH + channel,
-                           (plane * WORDS + row % WORDS) * (D - C_HIGH) + (channel - C_HIGH))
+    key_offsets = gl.where(is_high, tile_row * C_HIGH + channel, tile_row * (D - C_HIGH) + (channel - C_HIGH))
     present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW)
     value_row = gl.expand_dims(gl.arange(0, BITS_V * (D // 32) * 4, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
     quad = gl.expand_dims(gl.arange(0, G // 4, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
@@ -501,10 +518,10 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 @gluon.jit
 def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl.constexpr, step: gl.constexpr, mask,
-                      C0: gl.constexpr, W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
+                      W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
                       KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr, PAIRED: gl.constexpr):
-    """Add one plane of stored channels ``[C0, C0 + W)`` of step ``step`` (the stage's words, the
-    plane's from word row ``PLANE_ROW`` on) times the tile's 8-bit query operands (B-operand
+    """Add one plane of a key tile ``W`` channels wide of step ``step`` (the stage's words, the
+    plane's from word row ``PLANE_ROW`` on, :func:`_copy_offsets`) times the tile's 8-bit query operands (B-operand
     registers) to the integer score accumulators: high and low parts in two (``low`` untouched when
     ``PAIRED``: both parts are columns of ``query_high``). ``mask``: the rows' bit of a byte
     (:func:`_key_row_factors`)."""
@@ -516,7 +533,7 @@ def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl
         PAIRS: gl.constexpr = KEY_DISTANCE // 16
         OWNED_ROW: gl.constexpr = PLANE_ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
         OWN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(5, gl.SliceLayout(7, KEY_BYTES))))
-        words = key_words.slice(OWNED_ROW, PAIRS, 0).slice(C0 // 4, W // 4, 1).load(KEY_WORDS)
+        words = key_words.slice(OWNED_ROW, PAIRS, 0).load(KEY_WORDS)
         words = gl.convert_layout(gl.permute(gl.reshape(words, [PAIRS, W // 32, 8, 4]), [0, 2, 1, 3]), OWN, assert_trivial=True)
         words = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 2), 5), 7)
         shape: gl.constexpr = [T // KEY_DISTANCE, PAIRS, 2, 8, W // 32, 2, 4, 4]
@@ -526,7 +543,7 @@ def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl
         words = words >> gl.expand_dims(2 * ((gl.arange(0, W, layout=gl.SliceLayout(0, A8)) >> 4) & 1), 0)
     else:
         # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-        words = key_words.slice(PLANE_ROW + step * (T // 32), T // 32, 0).slice(C0 // 4, W // 4, 1).permute([0, 2, 1])
+        words = key_words.slice(PLANE_ROW + step * (T // 32), T // 32, 0).permute([0, 2, 1])
         words = gl.expand_dims(gl.expand_dims(words.load(KEY_WORDS), 2), 4)
         words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
                                   A8, assert_trivial=True)
@@ -725,7 +742,7 @@ def _decode_split_kernel_mma(
     s_rkb, s_rkh, s_rvb, s_rvh,
     RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
     G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
-    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_PLANES: gl.constexpr, SCORE_PLANES: gl.constexpr,
+    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_ROWS: gl.constexpr, LOW_ROW: gl.constexpr, SCORE_PLANES: gl.constexpr,
     MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
     KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, KEY_WORDS_HIGH: gl.constexpr, KEY_WORDS_LOW: gl.constexpr,
     KEY_DISTANCE: gl.constexpr, QUERY: gl.constexpr,
@@ -781,7 +798,8 @@ def _decode_split_kernel_mma(
     SHARED_1D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     scale_dtype: gl.constexpr = k_scale_ptr.dtype.element_ty
     SHARED_3D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
-    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_PLANES * WORDS, D // 4, 4], SHARED_3D)
+    W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW  # both key tiles' width
+    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_ROWS, W_TILE // 4, 4], SHARED_3D)  # the tiles' planes, _copy_offsets
     key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, D], SHARED_2D)  # [stage, 0]: scales, [stage, 1]: zeros
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
     value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS * 4, G // 4], VALUE_SHARED)
@@ -806,7 +824,6 @@ def _decode_split_kernel_mma(
     # made once per group by all warps together into shared memory (see _query_operands): two
     # buffers per tile, or one of both parts when PAIRED; every plane of a tile meets the same
     # operands. Both tiles are W_TILE wide.
-    W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
     order_ptrs = order_ptr + b * s_ob + h * s_oh
     j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY)), 1)
     c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY))
@@ -848,7 +865,7 @@ def _decode_split_kernel_mma(
     scale_rows = l_rows
 
     group_start = split * per_split
-    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, KEY_PLANES, COPY_KEYS, COPY_VALUES)
+    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, COPY_KEYS, COPY_VALUES)
     for i in gl.static_range(STAGES - 1):
         _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
                           v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
@@ -901,16 +918,21 @@ def _decode_split_kernel_mma(
                         low = low * 2
                 if W_HIGH > 0 and key_plane < PLANES_HIGH:
                     high, low = _key_plane_scores(high, low, key_words, query_hh, query_hl, key_plane * WORDS, step,
-                                                  key_mask, 0, W_HIGH, T, A8, KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE,
+                                                  key_mask, W_HIGH, T, A8, KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE,
                                                   PAIRED)  # fmt: skip
                 if W_LOW > 0 and key_plane < BITS_LOW:
-                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, key_plane * WORDS, step,
-                                                  key_mask, W_HIGH, W_LOW, T, A8, KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE,
+                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, LOW_ROW + key_plane * WORDS, step,
+                                                  key_mask, W_LOW, T, A8, KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE,
                                                   PAIRED)  # fmt: skip
-            # 128 * high + low in float32 (the integer sums with 4-bit codes would pass int32 times 128).
             if PAIRED:
                 high, low = _pair_parts(high, SCORES)
-            scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
+            if KEY_DISTANCE > 0:
+                # 128 * high + low in int32: a row's codes read at most 2^5 times too large (bit 4 * tile
+                # + row half), so |high| <= 128 channels x 15 x 127 x 32 = 7.8e6 and 128 * high + low < 1.01e9.
+                scores = (high * 128 + low).to(gl.float32) * (key_unit * column_scale) + k_offset
+            else:
+                # In float32: a byte's bit 7 reads 128 times too large, and 128 * high could pass int32.
+                scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
 
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
@@ -1070,17 +1092,22 @@ def kernel_constants(
     mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
-    key_planes = triton.next_power_of_2(max(planes_high, bits_low))
     score_planes = max(planes_high if high_width > 0 else 0, bits_low if high_width < head_dim else 0)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
+    # The key words' shared buffer: each tile's planes, the second's from row low_row on, padded to a
+    # power of two of at least the copy layout's rows (quad_layout).
+    words = group_size // 32
+    low_row = planes_high * words if high_width > 0 else 0
+    used_rows = low_row + (bits_low * words if high_width < head_dim else 0)
+    key_rows = max(triton.next_power_of_2(used_rows), NUM_WARPS * 32 // min(32, tile // 4))
     return dict(
         RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
         G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
         TOP_CORRECTION=top_field_correction(bits_value),
-        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_PLANES=key_planes, KEY_DISTANCE=key_distance,
+        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_ROWS=key_rows, LOW_ROW=low_row, KEY_DISTANCE=key_distance,
         SCORE_PLANES=score_planes,
         STAGES=stages,
-        COPY_KEYS=quad_layout(head_dim // 4), COPY_VALUES=value_copy_layout(group_size),
+        COPY_KEYS=quad_layout(tile // 4), COPY_VALUES=value_copy_layout(group_size),
         VALUE_SHARED=value_shared_layout(group_size, tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),

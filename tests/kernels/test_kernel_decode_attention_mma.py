@@ -203,13 +203,22 @@ def test_heads_layout_is_the_paired_accumulator_without_its_part_column(rows):
 
 @pytest.mark.parametrize("layout, head_dim", [(layout, d) for layout in LAYOUTS for d in (64, 128)])
 def test_key_copy_layout_holds_each_quad_once(layout, head_dim):
-    """The key words' copy layout ``[KEY_PLANES * G / 32, D / 4, 4]``: one 16-byte quad per thread,
-    and one CTA tile fits inside the buffer (no quad copied twice)."""
+    """The key words' buffer ``[KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width) holds each tile's
+    planes, the second's from row ``LOW_ROW`` on, and no more rows than a power of two needs; its
+    copy layout has one 16-byte quad per thread, and one CTA tile fits inside the buffer (no quad
+    copied twice)."""
     _, group, bits_high, bits_low = LAYOUTS[layout]
-    constants = mma.kernel_constants(head_dim, 4, group, num_high(layout, head_dim), bits_high, bits_low, 2)
+    high = num_high(layout, head_dim)
+    constants = mma.kernel_constants(head_dim, 4, group, high, bits_high, bits_low, 2)
+    width, words = constants["W_HIGH"], group // 32
+    tile = width if 0 < width < head_dim else head_dim
+    high_rows = constants["PLANES_HIGH"] * words if width > 0 else 0
+    used = high_rows + (bits_low * words if width < head_dim else 0)
+    assert constants["LOW_ROW"] == high_rows
     layout = constants["COPY_KEYS"]
-    shape = [constants["KEY_PLANES"] * group // 32, head_dim // 4, 4]
+    shape = [constants["KEY_ROWS"], tile // 4, 4]
     tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
+    assert constants["KEY_ROWS"] in (triton.next_power_of_2(used), tile[0]) and constants["KEY_ROWS"] >= used
     assert layout.size_per_thread == [1, 1, 4]
     assert all(size % extent == 0 for size, extent in zip(shape, tile))
 
@@ -486,8 +495,8 @@ def test_largest_key_sums_are_well_formed():
 
 @requires_cuda
 def test_largest_key_sums_on_cuda():
-    """The largest integer key sums (4-bit codes everywhere) come out right: the high and low parts
-    are combined in float32."""
+    """The largest integer key sums (4-bit codes everywhere, thread-owned words: rows read their codes
+    up to 2^5 times too large) come out right: ``128 * high + low`` stays inside int32."""
     args = on_cuda(largest_key_sums(torch.float16))
     want = decode_attention_reference(*args).float()
     torch.testing.assert_close(mma.mma_decode_attention(*args).float(), want, atol=1e-2, rtol=1e-2)
