@@ -72,8 +72,9 @@ def launch_variant(text: str) -> tuple[int, int | None, int]:
     return int(parts[0]), None if parts[1] == "none" else int(parts[1]), int(parts[2])
 
 
-def load_baseline(path: str):
-    spec = importlib.util.spec_from_file_location("pnmix_patch.kernels.baseline_decode_attention_mma", path)
+def load_baseline(path: str, name: str = "baseline_decode_attention_mma"):
+    """A copy of ``kernels/decode_attention_mma.py`` loaded as module ``name`` of ``pnmix_patch.kernels``."""
+    spec = importlib.util.spec_from_file_location(f"pnmix_patch.kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
