@@ -52,6 +52,7 @@ from triton.compiler import ASTSource
 from bench_attention import HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS  # the shape and presets bench_attention times
 
 from pnmix_patch import PNMixConfig
+from pnmix_patch.quantize import key_word_distance
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import BLOCK_N_DENSE, MAX_REGISTERS, NUM_STAGES, _decode_split_kernel
 
@@ -81,6 +82,8 @@ def compile_split_kernel(config: PNMixConfig) -> bytes:
     constants = dict(
         RATIO=RATIO, BLOCK_Q=16, D=HEAD_DIM, BLOCK_D=HEAD_DIM, G=config.key_group_size, C_HIGH=num_high,
         BITS_HIGH=config.key_bits_high, BITS_LOW=config.key_bits_low, BITS_V=config.value_bits, GV=HEAD_DIM,
+        HIGH_DISTANCE=key_word_distance(config.key_group_size, num_high),
+        LOW_DISTANCE=key_word_distance(config.key_group_size, HEAD_DIM - num_high),
         BLOCK_N_DENSE=BLOCK_N_DENSE, DOT_PRECISION="tf32",
     )  # fmt: skip
     signature = {}

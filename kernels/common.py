@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pnmix_patch.quantize import key_word_distance
+
 PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
 and the decode-attention split and merge kernels) with programmatic dependent launch where the GPU and
@@ -108,6 +110,15 @@ def transpose_byte_quads(words):
     byte = tl.arange(0, 4)
     parts = (tl.reshape(words, [N // 4, 4])[:, :, None] >> (8 * byte)[None, None, :]) & 0xFF  # [run, word i, byte b]
     return tl.reshape(tl.sum(parts << (8 * byte)[None, :, None], 1), [N])
+
+
+def key_word_distances(codes_high: torch.Tensor, codes_low: torch.Tensor) -> dict:
+    """The constexprs ``HIGH_DISTANCE`` and ``LOW_DISTANCE`` of the kernels that write or read these
+    key codes tensors ``[B, H, groups, b, G/32, C]``: each tensor's word order
+    (``quantize.key_word_distance``)."""
+    group_size = 32 * codes_high.shape[4]
+    return dict(HIGH_DISTANCE=key_word_distance(group_size, codes_high.shape[-1]),
+                LOW_DISTANCE=key_word_distance(group_size, codes_low.shape[-1]))
 
 
 def nonempty(tensor: torch.Tensor) -> torch.Tensor:

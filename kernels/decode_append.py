@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, quantize_values
 
-from .common import launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
+from .common import key_word_distances, launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
 from .pack_keys import pack_key_group
 from .pack_values import BLOCK_T, pack_value_tokens, value_layout
 
@@ -97,7 +97,7 @@ def _append_token_kernel(
     D: tl.constexpr, BLOCK_D: tl.constexpr,
     NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
     GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr, BITS: tl.constexpr,
-    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr,
+    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
     ROTATE: tl.constexpr = False, NORM: tl.constexpr = False, RATIO: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
@@ -158,7 +158,7 @@ def _append_token_kernel(
                 k_scale_ptr + b * s_sb + h * s_sh, k_zero_ptr + b * s_sb + h * s_sh,
                 group, num_groups + group,
                 s_rkt, s_rkd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
-                NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
+                NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT, HIGH_DISTANCE, LOW_DISTANCE,
             )
         offs_t = tl.arange(0, BLOCK_T)
         for start in range(0, residual_cap, BLOCK_T):
@@ -244,6 +244,7 @@ def triton_decode_append(
         BLOCK_D=triton.next_power_of_2(head_dim),
         NUM_HIGH=key_codes_high.shape[-1], G=group_size,
         BITS_HIGH=key_codes_high.shape[3], BITS_LOW=key_codes_low.shape[3],
+        **key_word_distances(key_codes_high, key_codes_low),
         **value_layout(head_dim, value_scale.shape[-1], value_codes.shape[3]),  # D, GV, ...
         MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, **constants, PDL=pdl, launch_pdl=pdl,
         enable_fp_fusion=False,  # the quantizers' codes must match torch (kernels/common.py)

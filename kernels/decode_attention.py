@@ -60,7 +60,7 @@ import triton.language as tl
 from pnmix_patch.attention import masked_attention
 from pnmix_patch.quantize import dequantize_keys, dequantize_values
 
-from .common import launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
+from .common import key_word_distances, launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
 
 BLOCK_N_DENSE = 64
 """Tokens per step over sinks and residual."""
@@ -97,18 +97,18 @@ def _attend_dense(
 
 
 @triton.jit
-def _key_bits(channel, C: tl.constexpr, token, G: tl.constexpr):
+def _key_bits(channel, C: tl.constexpr, token, DISTANCE: tl.constexpr):
     """Offset (within one plane of one group: ``word row * C + word``) and bit of ``token`` ``[32]``
     (the group's first 32; :func:`_key_chunk_step` moves them to the others) of channel ``channel``
     ``[N]`` of a key codes tensor of ``C`` channels, in the operand order of ``quantize.py``.
-    Thread-owned words (``C`` a multiple of 32, ``G`` of 64): token (tile, tile pair, row half, lane
+    Thread-owned words (``DISTANCE`` > 0, ``quantize.key_word_distance``): token (tile, tile pair, row half, lane
     row) of channel (chunk, half, lane column, byte) is bit ``8 byte + 4 tile + 2 half + row half``
     of word (tile pair, ``32 chunk + 4 lane row + lane column``). Else a channel of a run of four is
     byte ``channel % 4`` of the run's word ``token // 8`` and the last ``C % 4`` channels keep plain
     words. Both ``[32, N]``."""
     c = channel[None, :]
     t = token[:, None]
-    if C % 32 == 0 and G % 64 == 0:  # the first 32 tokens: tile 0, tile pairs 0 and 1
+    if DISTANCE > 0:  # the first 32 tokens: tile 0, tile pairs 0 and 1
         word = 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
         return t // 16 * C + word, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
     in_run = c < 4 * (C // 4)
@@ -116,13 +116,11 @@ def _key_bits(channel, C: tl.constexpr, token, G: tl.constexpr):
 
 
 @triton.jit
-def _key_chunk_step(word, C: tl.constexpr, G: tl.constexpr):
+def _key_chunk_step(word, C: tl.constexpr, DISTANCE: tl.constexpr):
     """What tokens ``32 word .. 32 word + 31`` of a group add to :func:`_key_bits`' offsets and bits
-    of its first 32. Thread-owned words: their tile (tiles ``DISTANCE`` tokens apart,
-    ``quantize.key_tile_distance``) moves the bits by 4, their tile pairs the word rows; else one word
-    row per 32 tokens."""
-    if C % 32 == 0 and G % 64 == 0:
-        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32
+    of its first 32. Thread-owned words (tiles ``DISTANCE`` tokens apart): their tile moves the bits
+    by 4, their tile pairs the word rows; else (``DISTANCE`` 0) one word row per 32 tokens."""
+    if DISTANCE > 0:
         first = 32 * word
         return (first // (2 * DISTANCE) * (DISTANCE // 16) + first % DISTANCE // 16) * C, 4 * (first // DISTANCE % 2)
     return word * C, 0
@@ -159,7 +157,7 @@ def _decode_split_kernel(
     s_rkb, s_rkh, s_rvb, s_rvh,
     RATIO: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
     G: tl.constexpr, C_HIGH: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
-    BITS_V: tl.constexpr, GV: tl.constexpr,
+    BITS_V: tl.constexpr, GV: tl.constexpr, HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
     BLOCK_N_DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
@@ -207,8 +205,8 @@ def _decode_split_kernel(
     is_high = offs_d < C_HIGH
     low_mask = (offs_d >= C_HIGH) & d_mask
     offs_n = tl.arange(0, 32)
-    high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, G)
-    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, G)
+    high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE)
+    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE)
     kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_offset
     kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_offset
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
@@ -231,8 +229,8 @@ def _decode_split_kernel(
         word = chunk % WORDS
         # Token n of the chunk: word and bit of each channel in a plane of its group (_key_bits, moved
         # to this chunk by _key_chunk_step).
-        high_step, high_bit_step = _key_chunk_step(word, C_HIGH, G)
-        low_step, low_bit_step = _key_chunk_step(word, C_LOW, G)
+        high_step, high_bit_step = _key_chunk_step(word, C_HIGH, HIGH_DISTANCE)
+        low_step, low_bit_step = _key_chunk_step(word, C_LOW, LOW_DISTANCE)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
             if p < BITS_HIGH:
@@ -399,6 +397,7 @@ def triton_decode_attention(
         RATIO=q_heads // heads, BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
         D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         G=32 * words, C_HIGH=c_high, BITS_HIGH=bits_high, BITS_LOW=key_codes_low.shape[3],
+        **key_word_distances(key_codes_high, key_codes_low),
         BITS_V=value_codes.shape[3], GV=value_group,
         BLOCK_N_DENSE=BLOCK_N_DENSE,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",

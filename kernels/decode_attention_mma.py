@@ -115,7 +115,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from pnmix_patch.quantize import key_tile_distance, thread_owned_keys
+from pnmix_patch.quantize import key_word_distance
 
 from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
 
@@ -1085,9 +1085,8 @@ def kernel_constants(
     paired = paired_columns(ratio)
     query_rows = block_q // 2 if paired else block_q
     tokens = step_tokens(group_size, bits_value)
-    owned = thread_owned_keys(group_size, num_high)
-    assert owned == thread_owned_keys(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
-    key_distance = key_tile_distance(group_size) if owned else 0
+    key_distance = key_word_distance(group_size, num_high)
+    assert key_distance == key_word_distance(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
     kernel_layouts = layouts(head_dim, high_width, query_rows, tokens, key_distance)
     mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns

@@ -13,7 +13,8 @@ selected-pair channels first), so stored channel ``c`` is high-bit iff
 2. codes from the *stored* scale/zero, then for each bit plane ``p`` the words of bit ``p``
    of the codes in the operand order of ``quantize.py``: thread-owned words (a codes
    tensor of a multiple of 32 channels, ``G`` a multiple of 64), made from blocks of 128
-   tokens (64 where ``G`` is not a multiple of 128); else per 32-token row one word per
+   tokens (64 where ``G`` is not a multiple of 128; the launcher passes each tensor's tile
+   distance, ``quantize.key_word_distance``, 0 for the other order); else per 32-token row one word per
    channel (bit ``t`` is token ``32 * w + t``), each run of four channels' words
    byte-transposed.
 
@@ -37,7 +38,7 @@ import triton.language as tl
 
 from pnmix_patch.quantize import quantize_keys, scale_dtype_for
 
-from .common import encode, minmax_scale_zero, nonempty, transpose_byte_quads
+from .common import encode, key_word_distances, minmax_scale_zero, nonempty, transpose_byte_quads
 
 
 @triton.jit
@@ -46,17 +47,19 @@ def pack_key_group(
     s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
     NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
     BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
+    HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
 ):
     """Quantize token group ``group`` of one (sequence, KV head) into group slot
-    ``group_out``. The pointers are that head's bases."""
+    ``group_out``. The pointers are that head's bases; ``HIGH_DISTANCE``, ``LOW_DISTANCE``: the
+    codes tensors' ``quantize.key_word_distance``."""
     if NUM_HIGH > 0:
         _pack_key_channels(keys_ptr, order_ptr, high_ptr, scale_ptr, zero_ptr, group, group_out,
                            s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_sg, s_sd,
-                           0, NUM_HIGH, BLOCK_D, G, BITS_HIGH, MIDPOINT)  # fmt: skip
+                           0, NUM_HIGH, BLOCK_D, G, BITS_HIGH, MIDPOINT, HIGH_DISTANCE)  # fmt: skip
     if NUM_HIGH < D:
         _pack_key_channels(keys_ptr, order_ptr, low_ptr, scale_ptr, zero_ptr, group, group_out,
                            s_kt, s_kd, s_od, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
-                           NUM_HIGH, D - NUM_HIGH, BLOCK_D, G, BITS_LOW, MIDPOINT)  # fmt: skip
+                           NUM_HIGH, D - NUM_HIGH, BLOCK_D, G, BITS_LOW, MIDPOINT, LOW_DISTANCE)  # fmt: skip
 
 
 @triton.jit
@@ -64,11 +67,12 @@ def _pack_key_channels(
     keys_ptr, order_ptr, codes_ptr, scale_ptr, zero_ptr, group, group_out,
     s_kt, s_kd, s_od, s_cg, s_cp, s_cw, s_cc, s_sg, s_sd,
     FIRST: tl.constexpr, COUNT: tl.constexpr, BLOCK_C: tl.constexpr, G: tl.constexpr,
-    BITS: tl.constexpr, MIDPOINT: tl.constexpr,
+    BITS: tl.constexpr, MIDPOINT: tl.constexpr, DISTANCE: tl.constexpr,
 ):
     """One part of :func:`pack_key_group`: stored channels ``FIRST .. FIRST + COUNT`` (the selected
     or the other ones), channel ``c`` of its codes tensor being stored channel ``FIRST + c``, at
-    ``BITS`` bits. A part has its own tensor, in the operand order its channel count gives it."""
+    ``BITS`` bits. A part has its own tensor, in the operand order its channel count gives it
+    (``DISTANCE``: its thread-owned words' tile distance, 0 for byte quads)."""
     words: tl.constexpr = G // 32
     offs_c = tl.arange(0, BLOCK_C)  # channel of the part
     c_mask = offs_c < COUNT
@@ -100,11 +104,10 @@ def _pack_key_channels(
 
     # Pass 2: encode and pack, for each bit plane p, words of bit p of the codes in operand order.
     codes_base = codes_ptr + group_out * s_cg + offs_c * s_cc
-    if COUNT % 32 == 0 and G % 64 == 0:
+    if DISTANCE > 0:
         # Thread-owned words (quantize.py): a block of 2 * DISTANCE tokens is PAIRS word rows; token
         # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit
         # 8 byte + 4 tile + 2 half + row half of word (tile pair, 32 chunk + 4 lane row + lane column).
-        DISTANCE: tl.constexpr = 64 if G % 128 == 0 else 32  # quantize.key_tile_distance
         PAIRS: tl.constexpr = DISTANCE // 16
         offs_b = tl.arange(0, 2 * DISTANCE)
         position = (8 * (offs_c % 4) + 2 * ((offs_c // 16) % 2))[None, :] + (4 * (offs_b // DISTANCE) + (offs_b // 8) % 2)[:, None]
@@ -144,6 +147,7 @@ def _pack_keys_kernel(
     s_sb, s_sh, s_sg, s_sd,
     NUM_HIGH: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, G: tl.constexpr,
     BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr, MIDPOINT: tl.constexpr,
+    HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     group = tl.program_id(1).to(tl.int64)
@@ -154,7 +158,7 @@ def _pack_keys_kernel(
         high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
         scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh, group, group,
         s_kt, s_kd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
-        NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT,
+        NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT, HIGH_DISTANCE, LOW_DISTANCE,
     )
 
 
@@ -192,6 +196,7 @@ def launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_c
         *keys.stride(), *order.stride(), *codes_high.stride(), *codes_low.stride(), *scale.stride(),
         NUM_HIGH=codes_high.shape[-1], D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), G=group_size,
         BITS_HIGH=codes_high.shape[3], BITS_LOW=codes_low.shape[3], MIDPOINT=midpoint_correction,
+        **key_word_distances(codes_high, codes_low),
         enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
     )
 

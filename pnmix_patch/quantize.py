@@ -213,6 +213,13 @@ def thread_owned_keys(group_size: int, channels: int) -> bool:
     return channels % 32 == 0 and group_size % 64 == 0
 
 
+def key_word_distance(group_size: int, channels: int) -> int:
+    """A key codes tensor's word order as the kernels take it (a constexpr): the
+    :func:`key_tile_distance` of its thread-owned words, or 0 for byte-transposed runs of four
+    (:func:`thread_owned_keys`)."""
+    return key_tile_distance(group_size) if thread_owned_keys(group_size, channels) else 0
+
+
 def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`_bits_of_words`."""
     return _to_int32((bits.to(torch.int64) << torch.arange(WORD_BITS, device=bits.device)).sum(-1))

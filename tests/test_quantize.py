@@ -15,6 +15,7 @@ from pnmix_patch.quantize import (
     encode,
     keys_from_operand_order,
     keys_to_operand_order,
+    key_word_distance,
     thread_owned_keys,
     unpack_keys,
     minmax_params,
@@ -227,6 +228,7 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels):
     owned = thread_owned_keys(group_size, channels)
     assert owned == (channels % 32 == 0 and group_size % 64 == 0)
     distance = 64 if group_size % 128 == 0 else 32
+    assert key_word_distance(group_size, channels) == (distance if owned else 0)  # what the kernels are given
     runs = 4 * (channels // 4)
     for c in range(channels):
         for t in range(c % 5, group_size, 5):
