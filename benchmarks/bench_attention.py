@@ -190,14 +190,21 @@ def time_shapes(device, bandwidth, shapes, reference_limit) -> list[dict]:
                 ms = median_ms(lambda: decode_attention_reference(*args))
                 rows.append(row("reference", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
             del args
-        keys = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        values = torch.randn_like(keys)
-        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
-        rows.append(row("sdpa", "bf16", batch, tokens, ms, 2 * keys.numel() * 2 + query.numel() * 2, bandwidth))
-        del keys, values
-        torch.cuda.empty_cache()
+        rows.append(row("sdpa", "bf16", batch, tokens, *sdpa_ms_and_bytes(device, batch, tokens), bandwidth))
     return rows
+
+
+def sdpa_ms_and_bytes(device, batch: int, tokens: int) -> tuple[float, int]:
+    """Median ms of bf16 SDPA for one decode query over an uncompressed cache of ``tokens`` (GQA
+    without copies), and the bytes it must read."""
+    keys = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+    nbytes = 2 * keys.numel() * 2 + query.numel() * 2
+    del keys, values
+    torch.cuda.empty_cache()
+    return ms, nbytes
 
 
 def row(kind, name, batch, tokens, ms, nbytes, bandwidth) -> dict:

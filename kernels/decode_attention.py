@@ -97,20 +97,24 @@ def _attend_dense(
 
 
 @triton.jit
-def _key_bits(channel, C: tl.constexpr, token, DISTANCE: tl.constexpr):
-    """Offset (within one plane of one group: ``word row * C + word``) and bit of ``token`` ``[32]``
-    (the group's first 32; :func:`_key_chunk_step` moves them to the others) of channel ``channel``
-    ``[N]`` of a key codes tensor of ``C`` channels, in the operand order of ``quantize.py``.
-    Thread-owned words (``DISTANCE`` > 0, ``quantize.key_word_distance``): token (tile, tile pair, row half, lane
-    row) of channel (chunk, half, lane column, byte) is bit ``8 byte + 4 tile + 2 half + row half``
-    of word (tile pair, ``32 chunk + 4 lane row + lane column``). Else a channel of a run of four is
-    byte ``channel % 4`` of the run's word ``token // 8`` and the last ``C % 4`` channels keep plain
-    words. Both ``[32, N]``."""
+def _key_bits(channel, C: tl.constexpr, token, DISTANCE: tl.constexpr, FIELD: tl.constexpr, PLANE: tl.constexpr):
+    """Offset (from a plane's first word in one group: ``word row * C + word``, plus ``PLANE``, the
+    words of a plane, for the second slot of a pair) and bit of ``token`` ``[32]`` (the group's first
+    32; :func:`_key_chunk_step` moves them to the others) of channel ``channel`` ``[N]`` of a key codes
+    tensor of ``C`` channels, in the operand order of ``quantize.py``. Thread-owned words (``DISTANCE``
+    > 0, ``quantize.key_word_distance``): token (tile, tile pair, row half, lane row) of channel
+    (chunk, half, lane column, byte) is in word (tile pair, ``32 chunk + 4 lane row + lane column``)
+    at bit ``8 byte + 4 tile + 2 half + row half`` of a plane or, ``FIELD``, at the low bit ``8 byte +
+    4 tile + 2 row half`` of its 2-bit field in slot ``half`` of a pair of planes (the bit of the
+    pair's second plane one above). Else a channel of a run of four is byte ``channel % 4`` of the
+    run's word ``token // 8`` and the last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
     c = channel[None, :]
     t = token[:, None]
     if DISTANCE > 0:  # the first 32 tokens: tile 0, tile pairs 0 and 1
-        word = 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
-        return t // 16 * C + word, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
+        offset = t // 16 * C + 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
+        if FIELD:
+            return offset + (c // 16 % 2) * PLANE, 8 * (c % 4) + 2 * (t // 8 % 2)
+        return offset, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
     in_run = c < 4 * (C // 4)
     return tl.where(in_run, 4 * (c // 4) + t // 8, c), tl.where(in_run, 8 * (c % 4) + t % 8, t)
 
@@ -205,10 +209,17 @@ def _decode_split_kernel(
     is_high = offs_d < C_HIGH
     low_mask = (offs_d >= C_HIGH) & d_mask
     offs_n = tl.arange(0, 32)
-    high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE)
-    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE)
+    high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE, False, WORDS * C_HIGH)
+    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE, False, WORDS * C_LOW)
     kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_offset
     kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_offset
+    # Thread-owned words hold each pair of planes as two words of 2-bit fields (quantize.py).
+    high_field_offset, high_field_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE, True, WORDS * C_HIGH)
+    low_field_offset, low_field_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE, True, WORDS * C_LOW)
+    kh_field_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_field_offset
+    kl_field_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_field_offset
+    HIGH_PAIRED: tl.constexpr = BITS_HIGH - BITS_HIGH % 2 if HIGH_DISTANCE > 0 else 0  # planes stored as fields
+    LOW_PAIRED: tl.constexpr = BITS_LOW - BITS_LOW % 2 if LOW_DISTANCE > 0 else 0
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
     # Values: per token, BITS_V planes of D/32 words, in the operand order of quantize.py per
@@ -233,10 +244,19 @@ def _decode_split_kernel(
         low_step, low_bit_step = _key_chunk_step(word, C_LOW, LOW_DISTANCE)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
-            if p < BITS_HIGH:
+            # A pair of planes (2m, 2m + 1), as fields: one load of the half's word for both bits.
+            if p < HIGH_PAIRED:
+                if p % 2 == 0:
+                    bits = tl.load(kh_field_ptrs + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_step, mask=is_high[None, :], other=0)
+                    codes |= ((bits >> (high_field_bit + high_bit_step)) & 3) << p
+            elif p < BITS_HIGH:
                 bits = tl.load(kh_ptrs + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_step, mask=is_high[None, :], other=0)
                 codes |= ((bits >> (high_bit + high_bit_step)) & 1) << p
-            if p < BITS_LOW:
+            if p < LOW_PAIRED:
+                if p % 2 == 0:
+                    bits = tl.load(kl_field_ptrs + (group * BITS_LOW + p) * WORDS * C_LOW + low_step, mask=low_mask[None, :], other=0)
+                    codes |= ((bits >> (low_field_bit + low_bit_step)) & 3) << p
+            elif p < BITS_LOW:
                 bits = tl.load(kl_ptrs + (group * BITS_LOW + p) * WORDS * C_LOW + low_step, mask=low_mask[None, :], other=0)
                 codes |= ((bits >> (low_bit + low_bit_step)) & 1) << p
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)

@@ -10,8 +10,9 @@ Why a second kernel: Triton decides which thread holds which code and reaches ``
 through shared memory; Gluon states layouts explicitly, so each thread builds exactly the
 operands its ``mma.sync`` fragments need, with one instruction per register:
 
-- Every key bit plane, and every pair of value bit planes, is the A operand of an 8-bit MMA
-  (m16n8k32, int32 accumulation). Keys: ``scores^T [T, Hq] = planes [T tokens, D] @ (q *
+- Every key level (a bit plane, or in thread-owned words a pair of planes stored as 2-bit fields),
+  and every pair of value bit planes, is the A operand of an 8-bit MMA
+  (m16n8k32, int32 accumulation). Keys: ``scores^T [T, Hq] = levels [T tokens, D] @ (q *
   scale)^T``; values: ``acc^T [D, Hq] += codes^T [D, T tokens] @ (p * scale)^T``. The
   per-channel key scale folds into q, the per-token value scale into p (one value group per
   token), the zeros into per-head offsets.
@@ -22,7 +23,12 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   tiles (:func:`step_tokens` 128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
   words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
   register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
-  (:func:`_key_row_factors`). Else (words byte-transposed in runs of four) a key word holds 8 rows
+  (:func:`_key_row_factors`); a pair of planes is two field words, one per half, and ``(word >> row
+  half) & 0x03030303 << bit`` reads ``2^bit`` times the pair's 2-bit code, the same factor, so
+  planes and fields share one accumulator (:func:`_key_level_scores`). The fields took pnmix-1's
+  packed loop from 504 to 476 instructions per warp and group (kivi-2 465 -> 415; sm_90, Triton
+  3.7.1) and pnmix-1's time to 0.96-0.98x at batch 1 and 32 on an H200 (bf16,
+  ``benchmarks/results/kernel_ab_key_fields.log``). Else (words byte-transposed in runs of four) a key word holds 8 rows
   x 4 columns, read by the 8 threads of those rows, and ``word & 0x01010101 << j`` is the register
   of row j: ``2^j * bit`` (bit 7 reads -128). Either way the factor (``2^-bit``, ``2^-j``, ``-2^-7``)
   is the same for all of a row's elements, so it is applied to the MMA results. Measured on an
@@ -43,10 +49,11 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   are made once per group by all warps into shared memory. Values: ``peak`` is the group's
   largest token scale (``p <= 1``). The parts are rounded by adding 1.5 * 2^23 and reading the
   float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no float-to-integer conversion.
-- Every key bit plane meets the same B operand, the planes weighted by Horner's scheme: from the
-  top plane down, the integer accumulators are doubled and the next plane's MMA is added (one
-  shift per accumulator register and plane instead of one operand per plane and tile, or 2^p
-  MMAs for plane p); 4-bit values' two field words likewise, times 4. The key sums stay far inside
+- Every key level meets the same B operand, the levels weighted by Horner's scheme: from the
+  top level down, the integer accumulators are multiplied by 4 (a pair of planes per level; 2 for
+  byte quads, a plane per level) and the next level's MMA is added (one shift per accumulator
+  register and level instead of one operand per level and tile, or 2^p MMAs for plane p); 4-bit
+  values' two field words likewise, times 4. The key sums stay far inside
   int32 (at most 128 channels x 15 x 127 x 2^5 = 7.8e6 with 4-bit codes and thread-owned words,
   whose rows read their codes at most 2^5 times too large; 2^7 with byte quads). Their high and
   low parts are combined as ``128 * high + low`` in int32 for thread-owned words (under 1.01e9)
@@ -517,36 +524,74 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl.constexpr, step: gl.constexpr, mask,
-                      W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr, KEY_BYTES: gl.constexpr,
-                      KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr, PAIRED: gl.constexpr):
-    """Add one plane of a key tile ``W`` channels wide of step ``step`` (the stage's words, the
-    plane's from word row ``PLANE_ROW`` on, :func:`_copy_offsets`) times the tile's 8-bit query operands (B-operand
-    registers) to the integer score accumulators: high and low parts in two (``low`` untouched when
-    ``PAIRED``: both parts are columns of ``query_high``). ``mask``: the rows' bit of a byte
-    (:func:`_key_row_factors`)."""
+def _key_step_words(key_words, ROW: gl.constexpr, step: gl.constexpr, W: gl.constexpr, T: gl.constexpr,
+                    A8: gl.constexpr, KEY_BYTES: gl.constexpr, KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr):
+    """The words of step ``step`` of one slot (a plane, or one word of a pair's fields) of a key tile
+    ``W`` channels wide, the slot's word rows from ``ROW`` on in the stage's buffer
+    (:func:`_copy_offsets`), as ``[T, W]`` in ``A8``: each element the word holding its operand byte."""
     if KEY_DISTANCE > 0:
         # Thread-owned words: each thread reads its own word of each 32-channel chunk, [tile pair, 8
         # chunk + lane row, lane column] -> [tile pair, lane row, chunk, lane column] -> broadcast over
         # (tile, row half, half, byte) -> [T, W]: no data moves. The step's word rows: those of its
         # block of 2 * KEY_DISTANCE tokens (a step of KEY_DISTANCE tokens is one tile of it).
         PAIRS: gl.constexpr = KEY_DISTANCE // 16
-        OWNED_ROW: gl.constexpr = PLANE_ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
+        OWNED_ROW: gl.constexpr = ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
         OWN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(5, gl.SliceLayout(7, KEY_BYTES))))
         words = key_words.slice(OWNED_ROW, PAIRS, 0).load(KEY_WORDS)
         words = gl.convert_layout(gl.permute(gl.reshape(words, [PAIRS, W // 32, 8, 4]), [0, 2, 1, 3]), OWN, assert_trivial=True)
         words = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 2), 5), 7)
         shape: gl.constexpr = [T // KEY_DISTANCE, PAIRS, 2, 8, W // 32, 2, 4, 4]
-        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]),
-                                  A8, assert_trivial=True)
-        # The second half of a chunk (channels 16 .. 31) is 2 bits above the first in the bytes.
-        words = words >> gl.expand_dims(2 * ((gl.arange(0, W, layout=gl.SliceLayout(0, A8)) >> 4) & 1), 0)
     else:
         # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-        words = key_words.slice(PLANE_ROW + step * (T // 32), T // 32, 0).permute([0, 2, 1])
+        words = key_words.slice(ROW + step * (T // 32), T // 32, 0).permute([0, 2, 1])
         words = gl.expand_dims(gl.expand_dims(words.load(KEY_WORDS), 2), 4)
-        words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([T // 32, 4, 8, W // 4, 4], gl.int32, KEY_BYTES))[0], [T, W]),
-                                  A8, assert_trivial=True)
+        shape: gl.constexpr = [T // 32, 4, 8, W // 4, 4]
+    return gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]),
+                             A8, assert_trivial=True)
+
+
+@gluon.jit
+def _key_level_scores(high, low, key_words, query_high, query_low, ROW: gl.constexpr, WORDS: gl.constexpr,
+                      LEVEL: gl.constexpr, BITS_FIRST: gl.constexpr, BITS_REST: gl.constexpr, SPLIT: gl.constexpr,
+                      step: gl.constexpr, bit, W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr,
+                      KEY_BYTES: gl.constexpr, KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr, PAIRED: gl.constexpr):
+    """Add level ``LEVEL`` of a key tile ``W`` channels wide of step ``step`` (a plane, or for
+    thread-owned words a pair of planes stored as 2-bit fields: the slots from word row ``ROW`` on,
+    ``WORDS`` rows each) times the tile's 8-bit query operands (B-operand registers) to the integer
+    score accumulators: high and low parts in two (``low`` untouched when ``PAIRED``: both parts are
+    columns of ``query_high``). The tile's channels before ``SPLIT`` have ``BITS_FIRST`` planes, the
+    others ``BITS_REST``: at this level each has a pair of planes as fields (kind 2), its odd last
+    plane (1), or nothing (0: the copy filled its words with zeros). ``bit``: the rows' bit of a byte
+    (:func:`_key_row_factors`).
+
+    A plane word's register is ``(word >> 2 * half) & 0x01010101 << bit`` (its byte's bit ``4 tile
+    + 2 half + row half``, ``bit = 4 tile + row half``); a field word's (the half's own slot) ``(word
+    >> row half) & 0x03030303 << bit`` (its byte's field at ``4 tile + 2 row half``): both read
+    their row's code ``2^bit`` times too large, so planes and fields share one accumulator. Byte
+    quads (``KEY_DISTANCE`` 0) are planes: ``word & 0x01010101 << bit``."""
+    words = _key_step_words(key_words, ROW, step, W, T, A8, KEY_BYTES, KEY_WORDS, KEY_DISTANCE)
+    if KEY_DISTANCE > 0:
+        KIND_FIRST: gl.constexpr = 2 * (2 * LEVEL + 2 <= BITS_FIRST) + (2 * LEVEL + 1 == BITS_FIRST)
+        KIND_REST: gl.constexpr = 2 * (2 * LEVEL + 2 <= BITS_REST) + (2 * LEVEL + 1 == BITS_REST)
+        columns = gl.arange(0, W, layout=gl.SliceLayout(0, A8))
+        half = gl.expand_dims((columns >> 4) & 1, 0)  # the chunk's second half: channels 16 .. 31
+        if KIND_FIRST == 2 or KIND_REST == 2:
+            second = _key_step_words(key_words, ROW + WORDS, step, W, T, A8, KEY_BYTES, KEY_WORDS, KEY_DISTANCE)
+        if (KIND_FIRST == 2 or KIND_FIRST == 0) and (KIND_REST == 2 or KIND_REST == 0):  # fields (or zeros)
+            words = gl.where(half == 1, second, words) >> (bit & 1)
+            mask = 0x03030303 << bit
+        elif KIND_FIRST < 2 and KIND_REST < 2:  # planes (or zeros)
+            words = words >> (2 * half)
+            mask = 0x01010101 << bit
+        else:  # fields in some 32-channel chunks, a plane in the others
+            if KIND_FIRST == 2:
+                fields = gl.expand_dims(columns < SPLIT, 0)
+            else:
+                fields = gl.expand_dims(columns >= SPLIT, 0)
+            words = gl.where(fields & (half == 1), second, words) >> gl.where(fields, bit & 1, 2 * half)
+            mask = gl.where(fields, 0x03030303, 0x01010101) << bit
+    else:
+        mask = 0x01010101 << bit
     operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
     high = mma_v2(operand, query_high, high)
     if not PAIRED:
@@ -557,11 +602,11 @@ def _key_plane_scores(high, low, key_words, query_high, query_low, PLANE_ROW: gl
 @gluon.jit
 def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.constexpr, A8: gl.constexpr,
                      SCORES: gl.constexpr):
-    """Which bit of a byte each score row of step ``step`` reads (as ``0x01010101 << bit``, ``[T, 1]``
-    in ``A8``) and the factor that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words:
-    bit ``4 * tile + row half`` of the row's token (``pnmix_patch/quantize.py``; with ``T =
-    KEY_DISTANCE`` the step is one tile); its codes read ``2^bit`` times too large. Else bit ``t % 8``,
-    bit 7 being the sign bit of an 8-bit integer (-128)."""
+    """Which bit of a byte each score row of step ``step`` reads (``[T, 1]`` in ``A8``) and the factor
+    that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words: bit ``4 * tile + row half``
+    of the row's token (``pnmix_patch/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile);
+    its codes read ``2^bit`` times too large. Else bit ``t % 8``, bit 7 being the sign bit of an 8-bit
+    integer (-128)."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(1, A8))
     t_s = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES))
     if KEY_DISTANCE > 0:
@@ -571,7 +616,7 @@ def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.const
     else:
         bit_a = t_a % 8
         unit = gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32))
-    return gl.expand_dims(0x01010101 << bit_a, 1), gl.expand_dims(unit, 1)
+    return gl.expand_dims(bit_a, 1), gl.expand_dims(unit, 1)
 
 
 @gluon.jit
@@ -759,6 +804,10 @@ def _decode_split_kernel_mma(
     h = (pid_bh % num_heads).to(gl.int64)
     dtype: gl.constexpr = query_ptr.dtype.element_ty
     W_LOW: gl.constexpr = D - W_HIGH
+    # Key levels: thread-owned words hold each pair of planes as 2-bit fields (pnmix_patch/quantize.py),
+    # so a level is two planes; byte quads are planes.
+    LEVEL_PLANES: gl.constexpr = 2 if KEY_DISTANCE > 0 else 1
+    SCORE_LEVELS: gl.constexpr = (SCORE_PLANES + LEVEL_PLANES - 1) // LEVEL_PLANES
 
     # Query columns: with at most 4 query heads per KV head (QUERY_ROWS = 4, BLOCK_Q = 8) the MMA's
     # 8 columns are paired: columns 2j and 2j + 1 both belong to head j, the first for the high 8-bit
@@ -819,11 +868,11 @@ def _decode_split_kernel_mma(
     v_zero = v_zero_ptr + b * s_vzb + h * s_vzh
 
     # Key tiles: stored channels [0, W_HIGH) (PLANES_HIGH planes) and [W_HIGH, D) (BITS_LOW planes).
-    # Their planes are 8-bit operands (bit j of a byte read as 2^j, see _key_plane_scores) met by the
-    # query times the group's channel scales in two 8-bit parts (high, low: 15 significant bits),
-    # made once per group by all warps together into shared memory (see _query_operands): two
-    # buffers per tile, or one of both parts when PAIRED; every plane of a tile meets the same
-    # operands. Both tiles are W_TILE wide.
+    # Their levels (planes, or pairs of planes as 2-bit fields) are 8-bit operands (a row's codes read
+    # 2^bit times too large, see _key_level_scores) met by the query times the group's channel scales
+    # in two 8-bit parts (high, low: 15 significant bits), made once per group by all warps together
+    # into shared memory (see _query_operands): two buffers per tile, or one of both parts when
+    # PAIRED; every level of a tile meets the same operands. Both tiles are W_TILE wide.
     order_ptrs = order_ptr + b * s_ob + h * s_oh
     j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY)), 1)
     c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY))
@@ -906,24 +955,25 @@ def _decode_split_kernel_mma(
             if not PAIRED:
                 query_ll = query_ll_smem.permute([1, 0]).load(B8)
         for step in gl.static_range(G // T):
-            # Score rows read one bit of each byte of the key operands (_key_row_factors).
-            key_mask, key_unit = _key_row_factors(step, T, KEY_DISTANCE, A8, SCORES)
-            # Horner's scheme over the planes (both tiles' plane p together): double, then add plane p.
+            # Score rows read one bit position of each byte of the key operands (_key_row_factors).
+            key_bit, key_unit = _key_row_factors(step, T, KEY_DISTANCE, A8, SCORES)
+            # Horner's scheme over the levels (a pair of planes as 2-bit fields for thread-owned words,
+            # else a plane; both tiles' level together): times 4 (or 2), then add the level.
             high = no_keys
             low = no_keys
-            for key_plane in gl.static_range(SCORE_PLANES - 1, -1, -1):
-                if key_plane < SCORE_PLANES - 1:
-                    high = high * 2
+            for level in gl.static_range(SCORE_LEVELS - 1, -1, -1):
+                if level < SCORE_LEVELS - 1:
+                    high = high << LEVEL_PLANES
                     if not PAIRED:
-                        low = low * 2
-                if W_HIGH > 0 and key_plane < PLANES_HIGH:
-                    high, low = _key_plane_scores(high, low, key_words, query_hh, query_hl, key_plane * WORDS, step,
-                                                  key_mask, W_HIGH, T, A8, KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE,
-                                                  PAIRED)  # fmt: skip
-                if W_LOW > 0 and key_plane < BITS_LOW:
-                    high, low = _key_plane_scores(high, low, key_words, query_lh, query_ll, LOW_ROW + key_plane * WORDS, step,
-                                                  key_mask, W_LOW, T, A8, KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE,
-                                                  PAIRED)  # fmt: skip
+                        low = low << LEVEL_PLANES
+                if W_HIGH > 0 and LEVEL_PLANES * level < PLANES_HIGH:
+                    high, low = _key_level_scores(high, low, key_words, query_hh, query_hl, LEVEL_PLANES * level * WORDS, WORDS,
+                                                  level, BITS_HIGH, BITS_LOW, C_HIGH, step, key_bit, W_HIGH, T, A8,
+                                                  KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE, PAIRED)  # fmt: skip
+                if W_LOW > 0 and LEVEL_PLANES * level < BITS_LOW:
+                    high, low = _key_level_scores(high, low, key_words, query_lh, query_ll, LOW_ROW + LEVEL_PLANES * level * WORDS,
+                                                  WORDS, level, BITS_LOW, BITS_LOW, 0, step, key_bit, W_LOW, T, A8,
+                                                  KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE, PAIRED)  # fmt: skip
             if PAIRED:
                 high, low = _pair_parts(high, SCORES)
             if KEY_DISTANCE > 0:

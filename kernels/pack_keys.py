@@ -10,11 +10,13 @@ selected-pair channels first), so stored channel ``c`` is high-bit iff
 ``c < num_high``. Two passes over the group's tokens:
 
 1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
-2. codes from the *stored* scale/zero, then for each bit plane ``p`` the words of bit ``p``
-   of the codes in the operand order of ``quantize.py``: thread-owned words (a codes
+2. codes from the *stored* scale/zero, then for each bit plane ``p`` (its slot of the codes
+   tensor) the words in the operand order of ``quantize.py``: thread-owned words (a codes
    tensor of a multiple of 32 channels, ``G`` a multiple of 64), made from blocks of 128
    tokens (64 where ``G`` is not a multiple of 128; the launcher passes each tensor's tile
-   distance, ``quantize.key_word_distance``, 0 for the other order); else per 32-token row one word per
+   distance, ``quantize.key_word_distance``, 0 for the other order), each pair of planes as
+   two words of 2-bit fields (slot ``p``: the fields of the chunks' half ``p % 2``) and an odd
+   last plane as bit ``p`` of the codes; else per 32-token row one word of bit ``p`` per
    channel (bit ``t`` is token ``32 * w + t``), each run of four channels' words
    byte-transposed.
 
@@ -102,23 +104,31 @@ def _pack_key_channels(
     scale = scale.to(tl.float32)
     zero = zero.to(tl.float32)
 
-    # Pass 2: encode and pack, for each bit plane p, words of bit p of the codes in operand order.
+    # Pass 2: encode and pack, for each bit plane p, the words of its slot in operand order.
     codes_base = codes_ptr + group_out * s_cg + offs_c * s_cc
     if DISTANCE > 0:
         # Thread-owned words (quantize.py): a block of 2 * DISTANCE tokens is PAIRS word rows; token
-        # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is bit
-        # 8 byte + 4 tile + 2 half + row half of word (tile pair, 32 chunk + 4 lane row + lane column).
+        # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is, in word
+        # (tile pair, 32 chunk + 4 lane row + lane column), a plane's bit 8 byte + 4 tile + 2 half + row
+        # half, or a pair's 2-bit field at bits 8 byte + 4 tile + 2 row half (+ 0, 1) of its half's slot.
         PAIRS: tl.constexpr = DISTANCE // 16
         offs_b = tl.arange(0, 2 * DISTANCE)
-        position = (8 * (offs_c % 4) + 2 * ((offs_c // 16) % 2))[None, :] + (4 * (offs_b // DISTANCE) + (offs_b // 8) % 2)[:, None]
+        half = ((offs_c // 16) % 2)[None, :]
+        byte_tile = (8 * (offs_c % 4))[None, :] + (4 * (offs_b // DISTANCE))[:, None]
+        plane_position = byte_tile + 2 * half + ((offs_b // 8) % 2)[:, None]
+        field_position = byte_tile + (2 * ((offs_b // 8) % 2))[:, None]
         offs_r = tl.arange(0, PAIRS)
         block_ptrs = keys_ptr + (group * G + offs_b)[:, None] * s_kt + (order * s_kd)[None, :]
         for block in range(G // (2 * DISTANCE)):
             x = tl.load(block_ptrs + block * 2 * DISTANCE * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
             codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
             for p in tl.static_range(BITS):
+                if p < BITS - BITS % 2:  # slot p of pair p // 2: the fields of the channels of half p % 2
+                    bits = tl.where(half == p % 2, ((codes >> (p - p % 2)) & 3) << field_position, 0)
+                else:
+                    bits = ((codes >> p) & 1) << plane_position
                 # Distinct bits, so the sums are their OR (bit 31 wraps to the sign, as int32 should).
-                bits = tl.reshape(((codes >> p) & 1) << position, [2, PAIRS, 2, 8, BLOCK_C // 32, 2, 4, 4])
+                bits = tl.reshape(bits, [2, PAIRS, 2, 8, BLOCK_C // 32, 2, 4, 4])
                 word = tl.sum(tl.sum(tl.sum(tl.sum(bits, 7), 5), 2), 0)  # [tile pair, lane row, chunk, lane column]
                 word = tl.reshape(tl.permute(word, (0, 2, 1, 3)), [PAIRS, BLOCK_C])
                 tl.store(codes_base[None, :] + p * s_cp + (block * PAIRS + offs_r)[:, None] * s_cw, word, mask=c_mask[None, :])

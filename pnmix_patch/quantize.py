@@ -72,7 +72,13 @@ plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_ord
   ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``. Before the twenty-ninth session
   every key tensor was stored as below, where a word serves eight threads, so eight of them
   read it: the thread-owned words cut the kernel's time at batch 32 by 7-10%
-  (``benchmarks/results/kernel_ab_thread_owned_keys.json``);
+  (``benchmarks/results/kernel_ab_thread_owned_keys.json``). Then each pair of planes
+  ``(2m, 2m + 1)`` is stored as two words of 2-bit fields (:func:`key_planes_to_fields`), so
+  that one 8-bit operand carries two planes: the pair's slot ``2m + h`` (``h``, the chunk's half)
+  holds, at bits ``8i + 4 tile + 2 row half + j``, bit ``j`` of the 2-bit code ``(code >> 2m) &
+  3`` of the channel of half ``h`` (the plane word's bit ``8i + 4 tile + 2h + row half`` of plane
+  ``2m + j``); an odd last plane stays a plane word. Since the thirty-first session: pnmix-1's
+  kernel time at batch 32 0.96-0.97x (``benchmarks/results/kernel_ab_key_fields.log``);
 - keys of other tensors: the words of four consecutive stored channels ``4q .. 4q + 3``
   (same plane and word row) are byte-transposed (:func:`transpose_byte_quads`: in a run of
   four words, word ``b``'s byte ``i`` is byte ``b`` of word ``i``): bit ``8i + j`` of word
@@ -225,6 +231,37 @@ def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
     return _to_int32((bits.to(torch.int64) << torch.arange(WORD_BITS, device=bits.device)).sum(-1))
 
 
+_FIELDS_FROM_PLANES_DIMS = (0, 6, 2, 3, 4, 5, 7, 1)
+"""A pair of thread-owned plane words' bits ``[pair, plane j, word row, word, byte, tile, half, row
+half]`` as field words ``[pair, half, word row, word, byte, tile, row half, j]`` (module docstring,
+"keys")."""
+_PLANES_FROM_FIELDS_DIMS = tuple(_FIELDS_FROM_PLANES_DIMS.index(d) for d in range(8))
+
+
+def _permute_pairs(words: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The whole pairs of planes of thread-owned key words ``[..., b, G/32, C]`` with each pair's bits
+    permuted by ``dims`` (:data:`_FIELDS_FROM_PLANES_DIMS` or its inverse); an odd last plane as it is."""
+    *lead, planes, rows, channels = words.shape
+    pairs = planes // 2
+    if not pairs:
+        return words
+    bits = _bits_of_words(words[..., : 2 * pairs, :, :]).reshape(*lead, pairs, 2, rows, channels, 4, 2, 2, 2)
+    bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in dims))
+    return torch.cat([_words_of_bits(bits.reshape(*lead, 2 * pairs, rows, channels, WORD_BITS)), words[..., 2 * pairs :, :, :]], -3)
+
+
+def key_planes_to_fields(words: torch.Tensor) -> torch.Tensor:
+    """Thread-owned key plane words ``[..., b, G/32, C]`` with each pair of planes ``(2m, 2m + 1)``
+    as two words of 2-bit fields, the chunk's first half's at slot ``2m`` and its second half's at
+    ``2m + 1`` (module docstring, "keys"); an odd last plane stays a plane."""
+    return _permute_pairs(words, _FIELDS_FROM_PLANES_DIMS)
+
+
+def key_fields_to_planes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`key_planes_to_fields`."""
+    return _permute_pairs(words, _PLANES_FROM_FIELDS_DIMS)
+
+
 def _thread_owned_dims(group_size: int, channels: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Sizes of a token's dims ``[block, tile, tile pair, row half, lane row]`` and a channel's
     ``[chunk, half, lane column, byte]`` (module docstring, "keys")."""
@@ -232,19 +269,27 @@ def _thread_owned_dims(group_size: int, channels: int) -> tuple[tuple[int, ...],
     return (group_size // (2 * distance), 2, distance // 16, 2, 8), (channels // 32, 2, 4, 4)
 
 
-def _in_token_order(per_bit: torch.Tensor) -> torch.Tensor:
-    """Values ``[..., G/32, C, 32]`` at the bits of thread-owned key words (a bit, or a code made of
-    the planes' bits) -> ``[..., G, C]`` by token and channel."""
-    *lead, rows, channels, _ = per_bit.shape
-    token_dims, channel_dims = _thread_owned_dims(32 * rows, channels)
-    sizes = token_dims + channel_dims
-    per_bit = per_bit.reshape(*lead, *(sizes[d] for d in _WORD_FROM_TOKEN_DIMS))
-    return per_bit.permute(*range(len(lead)), *(len(lead) + d for d in _TOKEN_FROM_WORD_DIMS)).reshape(*lead, 32 * rows, channels)
+_FIELD_FROM_TOKEN_DIMS = (6, 0, 2, 5, 4, 7, 8, 1, 3)
+"""The 2-bit fields of a pair's two slots (module docstring, "keys") as ``[half, word row, word,
+byte, field]`` by a token's and a channel's dims (as :data:`_WORD_FROM_TOKEN_DIMS`): half ``[half]``,
+word row ``[block, tile pair]``, word ``[chunk, lane row, lane column]``, byte, field ``[tile, row
+half]``."""
+
+
+def _in_token_order(values: torch.Tensor, rows: int, channels: int, word_dims: tuple[int, ...] = _WORD_FROM_TOKEN_DIMS) -> torch.Tensor:
+    """Values at the bits of thread-owned key words (a bit, or a code made of the planes' bits),
+    ``[..., G/32, C, 32]``, or, with ``word_dims`` :data:`_FIELD_FROM_TOKEN_DIMS`, at the fields of a
+    pair's two slots, ``[..., 2, G/32, C, 16]`` -> ``[..., G, C]`` by token and channel."""
+    sizes = sum(_thread_owned_dims(32 * rows, channels), ())
+    lead = values.shape[: values.dim() - (4 if word_dims == _FIELD_FROM_TOKEN_DIMS else 3)]
+    values = values.reshape(*lead, *(sizes[d] for d in word_dims))
+    inverse = tuple(word_dims.index(d) for d in range(len(word_dims)))
+    return values.permute(*range(len(lead)), *(len(lead) + d for d in inverse)).reshape(*lead, 32 * rows, channels)
 
 
 def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
-    """Key words ``[..., G/32, C]`` (plain: bit ``t % 32`` of word ``(t // 32, c)`` is token ``t`` of
-    channel ``c``) in operand order (module docstring, "keys")."""
+    """Key words ``[..., b, G/32, C]`` (plain bit planes: bit ``t % 32`` of word ``(p, t // 32, c)`` is
+    bit ``p`` of token ``t``'s code of channel ``c``) in operand order (module docstring, "keys")."""
     *lead, rows, channels = codes.shape
     group_size = 32 * rows
     if not thread_owned_keys(group_size, channels):
@@ -252,7 +297,7 @@ def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
     token_dims, channel_dims = _thread_owned_dims(group_size, channels)
     bits = _bits_of_words(codes).transpose(-1, -2).reshape(*lead, *token_dims, *channel_dims)
     bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in _WORD_FROM_TOKEN_DIMS))
-    return _words_of_bits(bits.reshape(*lead, rows, channels, WORD_BITS))
+    return key_planes_to_fields(_words_of_bits(bits.reshape(*lead, rows, channels, WORD_BITS)))
 
 
 def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
@@ -260,8 +305,29 @@ def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
     *lead, rows, channels = codes.shape
     if not thread_owned_keys(32 * rows, channels):
         return transpose_byte_quads(codes, -1)  # its own inverse
-    bits = _in_token_order(_bits_of_words(codes)).reshape(*lead, rows, WORD_BITS, channels)
+    bits = _in_token_order(_bits_of_words(key_fields_to_planes(codes)), rows, channels).reshape(*lead, rows, WORD_BITS, channels)
     return _words_of_bits(bits.transpose(-1, -2))
+
+
+def _thread_owned_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., G, C]`` of a thread-owned key codes tensor ``[..., b, G/32, C]`` in operand order:
+    the pairs' 2-bit fields read from the words' bytes in place (bytes for codes of at most 8 bits,
+    else int32), the odd last plane's bits added on top."""
+    *lead, planes, rows, channels = codes.shape
+    pairs = planes // 2
+    if not pairs or sys.byteorder != "little":
+        return _in_token_order(_codes_per_bit(key_fields_to_planes(codes), 2), rows, channels)
+    dtype = torch.uint8 if planes <= 8 else torch.int32
+    # Byte i of slot 2m + half holds field f = 2 tile + row half at bits 2f, 2f + 1: [..., pair, half, rows, C, i, f].
+    word_bytes = codes[..., : 2 * pairs, :, :].contiguous().view(torch.uint8).reshape(*lead, pairs, 2, rows, channels, 4, 1)
+    fields = ((word_bytes >> torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)) & 3).to(dtype)
+    weights = 2 * torch.arange(pairs, dtype=dtype, device=codes.device).view(pairs, 1, 1, 1, 1, 1)
+    fields = (fields << weights).sum(-6, dtype=dtype) if pairs > 1 else fields.squeeze(-6)  # [..., half, rows, C, i, f]
+    if planes % 2:  # the odd last plane's bit 8i + 4 tile + 2 half + row half, in the fields' order
+        top = codes[..., -1:, :, :].contiguous().view(torch.uint8).reshape(*lead, 1, rows, channels, 4, 1)
+        positions = torch.tensor([[0, 1, 4, 5], [2, 3, 6, 7]], dtype=torch.uint8, device=codes.device)  # [half, f]
+        fields = fields + (((top >> positions.view(2, 1, 1, 1, 4)) & 1).to(dtype) << (2 * pairs))
+    return _in_token_order(fields.reshape(*lead, 2, rows, channels, 16), rows, channels, _FIELD_FROM_TOKEN_DIMS)
 
 
 def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
@@ -270,7 +336,7 @@ def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
     rows, channels = codes.shape[-2:]
     if not thread_owned_keys(32 * rows, channels):  # plain words: [..., C, b, G/32] -> [..., C, G]
         return unpack_bits(transpose_byte_quads(codes, -1).movedim(-1, -3)).transpose(-1, -2)
-    return _in_token_order(_codes_per_bit(codes, 2)).to(torch.int32)
+    return _thread_owned_codes(codes).to(torch.int32)
 
 
 def check_token_block(token_block: int) -> None:

@@ -220,9 +220,12 @@ def test_transpose_byte_quads_known_words():
     assert torch.equal(transpose_byte_quads(out, 0), words)
 
 
-@pytest.mark.parametrize("rows, channels", [(4, 64), (2, 64), (8, 32), (6, 32), (2, 26), (3, 64), (2, 4), (2, 2), (2, 0)])
-def test_keys_in_operand_order_hold_the_documented_bits(rows, channels):
-    plain = random_words(2, 3, rows, channels, seed=rows * 100 + channels)  # [groups, planes, word rows, C]
+@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 64, 3), (8, 32, 3), (6, 32, 3), (2, 26, 3), (3, 64, 3),
+                                                    (2, 4, 3), (2, 2, 3), (2, 0, 3), (4, 64, 4), (2, 32, 2), (2, 32, 1)])
+def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
+    """Every plane's bits where the module docstring puts them: thread-owned words with each pair of
+    planes as two words of 2-bit fields and an odd last plane as a plane, or byte quads."""
+    plain = random_words(2, planes, rows, channels, seed=rows * 100 + channels + planes)  # [groups, planes, word rows, C]
     ordered = keys_to_operand_order(plain)
     group_size = 32 * rows
     owned = thread_owned_keys(group_size, channels)
@@ -230,24 +233,31 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels):
     distance = 64 if group_size % 128 == 0 else 32
     assert key_word_distance(group_size, channels) == (distance if owned else 0)  # what the kernels are given
     runs = 4 * (channels // 4)
-    for c in range(channels):
-        for t in range(c % 5, group_size, 5):
-            if owned:  # token (block, tile, tile pair, row half, lane row), channel (chunk, half, lane column, byte)
-                block, tile, pair, row_half, lane_row = t // (2 * distance), t // distance % 2, t % distance // 16, t // 8 % 2, t % 8
-                chunk, half, lane_column, byte = c // 32, c // 16 % 2, c // 4 % 4, c % 4
-                word = ordered[1, 2, block * (distance // 16) + pair, 32 * chunk + 4 * lane_row + lane_column]
-                got = bit(word, 8 * byte + 4 * tile + 2 * half + row_half)
-            elif c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
-                got = bit(ordered[1, 2, t // 32, 4 * (c // 4) + t % 32 // 8], 8 * (c % 4) + t % 8)
-            else:
-                got = bit(ordered[1, 2, t // 32, c], t % 32)
-            assert got == bit(plain[1, 2, t // 32, c], t % 32)
+    for p in range(planes):
+        in_pair = p < planes - planes % 2
+        for c in range(channels):
+            for t in range((c + p) % 5, group_size, 5):
+                if owned:  # token (block, tile, tile pair, row half, lane row), channel (chunk, half, lane column, byte)
+                    block, tile, pair, row_half, lane_row = t // (2 * distance), t // distance % 2, t % distance // 16, t // 8 % 2, t % 8
+                    chunk, half, lane_column, byte = c // 32, c // 16 % 2, c // 4 % 4, c % 4
+                    row, column = block * (distance // 16) + pair, 32 * chunk + 4 * lane_row + lane_column
+                    if in_pair:  # slot 2m + half, bit 8 byte + 4 tile + 2 row half + p % 2
+                        got = bit(ordered[1, p - p % 2 + half, row, column], 8 * byte + 4 * tile + 2 * row_half + p % 2)
+                    else:
+                        got = bit(ordered[1, p, row, column], 8 * byte + 4 * tile + 2 * half + row_half)
+                elif c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
+                    got = bit(ordered[1, p, t // 32, 4 * (c // 4) + t % 32 // 8], 8 * (c % 4) + t % 8)
+                else:
+                    got = bit(ordered[1, p, t // 32, c], t % 32)
+                assert got == bit(plain[1, p, t // 32, c], t % 32)
     assert torch.equal(keys_from_operand_order(ordered), plain)
 
 
-@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 32, 3), (2, 26, 3), (3, 64, 3), (2, 0, 3), (4, 32, 9), (2, 26, 9)])
+@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 32, 3), (2, 26, 3), (3, 64, 3), (2, 0, 3), (4, 32, 9), (2, 26, 9),
+                                                    (4, 64, 1), (4, 64, 2), (2, 32, 4), (4, 32, 8), (4, 32, 10)])
 def test_unpack_keys_reads_the_stored_codes(rows, channels, planes):
-    """Codes of 3 bits, and of 9 (past the bytes the planes are combined in up to 8 bits)."""
+    """Codes of 1 to 4 bits (field words alone, or with an odd last plane), 8, and 9 or 10 (past the
+    bytes the codes are combined in up to 8 bits)."""
     plain = random_words(2, planes, rows, channels, seed=channels + planes)  # [groups, planes, word rows, C]
     codes = unpack_keys(keys_to_operand_order(plain))
     assert codes.shape == (2, 32 * rows, channels)

@@ -2,14 +2,17 @@
 
     git show COMMIT:kernels/decode_attention_mma.py > /tmp/baseline_mma.py
     python benchmarks/diagnostics/kernel_ab.py --baseline /tmp/baseline_mma.py [--plain-baseline | --plane-values-baseline
-        | --byte-quad-keys-baseline] [--out DIR]
+        | --byte-quad-keys-baseline | --plane-keys-baseline] [--shapes PRESET:B,T ...] [--slots N ...] [--sdpa] [--out DIR]
 
 The copy is loaded as a module of ``pnmix_patch.kernels`` (its relative imports resolve there),
 so it runs with today's Triton kernel helpers and merge kernel. For each preset and shape of
 ``bench_attention.py`` (Qwen3-8B heads, bf16, caches packed by the kernels): the relative error
 of both against the float32 reference (small shapes), then the median time of each (CUDA-graph
 replays) at its own default split count, and of the current kernel at split counts filling 2, 3
-and 4 programs per multiprocessor (the occupancy its registers allow may have changed). With
+and 4 programs per multiprocessor (``--slots``; the occupancy its registers allow may have changed).
+``--shapes`` times other shapes than ``SHAPES``; ``--sdpa`` also times bf16 SDPA over an
+uncompressed cache at each shape and the copy bandwidth, as ``bench_attention.py`` does, for the
+ratios and the fraction of copy bandwidth of both kernels. With
 ``--variants``, also the current kernel's launch variants of ``VARIANTS`` (shared stages,
 register cap, split slots per multiprocessor; ``--variant-configs`` names others) on the shapes of
 ``VARIANT_SHAPES`` (``--variant-presets`` picks presets). Writes ``kernel_ab.json`` under
@@ -24,7 +27,9 @@ A baseline from before the value codes were stored as 2-bit fields (the commit t
 ``--plane-values-baseline``) reads value bit planes in operand order: give that option
 (:func:`plane_values`). A baseline from before the keys' thread-owned words (the commit that added
 ``--byte-quad-keys-baseline``) reads every key codes tensor as runs of four channels'
-words byte-transposed: give that option (:func:`byte_quad_keys`).
+words byte-transposed: give that option (:func:`byte_quad_keys`). A baseline from before the keys'
+pairs of planes were stored as 2-bit fields (the commit that added ``--plane-keys-baseline``) reads
+thread-owned key words as planes: give that option (:func:`plane_keys`).
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_attention import KV_HEADS, PRESETS, build_cache, median_ms  # noqa: E402
+from bench_attention import KV_HEADS, PRESETS, build_cache, bytes_read, copy_bandwidth, median_ms, sdpa_ms_and_bytes  # noqa: E402
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits, decode_attention_reference  # noqa: E402
@@ -117,6 +122,29 @@ def byte_quad_keys(cache: tuple) -> tuple:
     return tuple(cache)
 
 
+def plane_keys(cache: tuple) -> tuple:
+    """``build_cache``'s arguments with thread-owned key codes tensors' pairs of planes as plane words
+    (the packed layout before ``--plane-keys-baseline`` was added), for a baseline kernel from before
+    the keys' 2-bit fields."""
+    cache = list(cache)
+    for index in (5, 6):
+        if quantize.thread_owned_keys(32 * cache[index].shape[4], cache[index].shape[5]):
+            converted = torch.empty_like(cache[index])
+            for sequence, codes in enumerate(cache[index]):  # one sequence at a time: the conversion's temporaries
+                converted[sequence] = quantize.key_fields_to_planes(codes)
+            cache[index] = converted
+    return tuple(cache)
+
+
+def shape_option(text: str) -> tuple[str, int, int]:
+    """``PRESET:B,T`` as ``(preset, batch, context)``."""
+    preset, _, shape = text.partition(":")
+    parts = shape.split(",")
+    if preset not in PRESETS or len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"a shape is PRESET:BATCH,CONTEXT with PRESET one of {sorted(PRESETS)}; got {text!r}")
+    return preset, int(parts[0]), int(parts[1])
+
+
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
@@ -132,6 +160,12 @@ def main() -> None:
     baseline_format.add_argument("--byte-quad-keys-baseline", action="store_true",
                                  help="the baseline reads key words as runs of four channels byte-transposed "
                                       "(a kernel from before the keys' thread-owned words)")
+    baseline_format.add_argument("--plane-keys-baseline", action="store_true",
+                                 help="the baseline reads thread-owned key words as planes (a kernel from before the keys' 2-bit fields)")
+    parser.add_argument("--shapes", nargs="+", type=shape_option, metavar="PRESET:B,T", help="the shapes to time instead of SHAPES")
+    parser.add_argument("--slots", nargs="*", type=int, default=[2, 3, 4],
+                        help="program slots per multiprocessor to time the current kernel's split counts at (default 2 3 4; none: skip)")
+    parser.add_argument("--sdpa", action="store_true", help="also time bf16 SDPA at each shape, and the copy bandwidth")
     parser.add_argument("--variants", action="store_true", help="also time the current kernel's launch variants")
     parser.add_argument("--skip-ab", action="store_true", help="only the variants (and the errors)")
     parser.add_argument("--variant-presets", nargs="+", choices=list(VARIANT_SHAPES),
@@ -143,11 +177,18 @@ def main() -> None:
         parser.error("--variant-presets and --variant-configs need --variants")
     baseline = load_baseline(args.baseline)
     for_baseline = (plain_codes if args.plain_baseline else plane_values if args.plane_values_baseline
-                    else byte_quad_keys if args.byte_quad_keys_baseline else (lambda cache: cache))  # fmt: skip
+                    else byte_quad_keys if args.byte_quad_keys_baseline else plane_keys if args.plane_keys_baseline
+                    else (lambda cache: cache))  # fmt: skip
     device = torch.device("cuda")
     torch.manual_seed(0)
     started = time.time()
     sms = _multiprocessors(device.index or 0)
+    bandwidth = copy_bandwidth(device) if args.sdpa else None
+    if bandwidth:
+        print(f"  copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
+    shapes = {}
+    for preset, batch, tokens in args.shapes or [(p, b, t) for p, pairs in SHAPES.items() for b, t in pairs]:
+        shapes.setdefault(preset, []).append((batch, tokens))
     errors, rows = [], []
     for dtype in (torch.bfloat16, torch.float16):
         for preset, config in PRESETS.items():
@@ -159,8 +200,9 @@ def main() -> None:
                          "current": relative_error(current.mma_decode_attention(*cache), want)}  # fmt: skip
                 errors.append(error)
                 print(f"  error {preset} {dtype}: baseline {error['baseline']:.2e}  current {error['current']:.2e}", flush=True)
-    for preset, shapes in ({} if args.skip_ab else SHAPES).items():
-        for batch, tokens in shapes:
+    sdpa = {}
+    for preset, pairs in ({} if args.skip_ab else shapes).items():
+        for batch, tokens in pairs:
             cache = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
             baseline_cache = for_baseline(cache)
             groups, group_size = cache[5].shape[2], 32 * cache[5].shape[4]
@@ -169,16 +211,27 @@ def main() -> None:
                    "current_splits": current.default_splits(cache[0], batch * KV_HEADS, groups, group_size),
                    "baseline_ms": median_ms(lambda: baseline.mma_decode_attention(*baseline_cache)),
                    "current_ms": median_ms(lambda: current.mma_decode_attention(*cache)), "current_by_slots": {}}  # fmt: skip
-            for per_sm in (2, 3, 4):
+            for per_sm in args.slots:
                 splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
                 row["current_by_slots"][per_sm] = {
                     "splits": splits, "ms": median_ms(lambda: current.mma_decode_attention(*cache, num_splits=splits))}
             row["speedup"] = row["baseline_ms"] / row["current_ms"]
-            rows.append(row)
             slots = "  ".join(f"{k}/SM ({v['splits']}): {v['ms'] * 1e3:.1f}" for k, v in row["current_by_slots"].items())
             print(f"  {preset} B={batch:3d} T={tokens:6d}: baseline {row['baseline_ms'] * 1e3:8.1f} us, current "
                   f"{row['current_ms'] * 1e3:8.1f} us ({row['speedup']:.2f}x)   current at {slots}", flush=True)
-            del cache
+            if bandwidth:
+                row["bytes_read"] = bytes_read(cache[:-1])
+                if (batch, tokens) not in sdpa:
+                    sdpa[batch, tokens] = sdpa_ms_and_bytes(device, batch, tokens)
+                row["sdpa_ms"], row["sdpa_bytes_read"] = sdpa[batch, tokens]
+                for kernel in ("baseline", "current"):
+                    row[f"sdpa_over_{kernel}"] = row["sdpa_ms"] / row[f"{kernel}_ms"]
+                    row[f"{kernel}_fraction_of_copy"] = row["bytes_read"] / (row[f"{kernel}_ms"] * 1e-3) / bandwidth
+                print(f"    SDPA {row['sdpa_ms'] * 1e3:8.1f} us: {row['sdpa_over_baseline']:.2f}x baseline, "
+                      f"{row['sdpa_over_current']:.2f}x current; of copy {row['baseline_fraction_of_copy']:.1%} baseline, "
+                      f"{row['current_fraction_of_copy']:.1%} current", flush=True)
+            rows.append(row)
+            del cache, baseline_cache
     variants = []
     configs = args.variant_configs or VARIANTS
     for preset in (args.variant_presets or list(VARIANT_SHAPES)) if args.variants else ():
@@ -201,6 +254,7 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
               "torch": torch.__version__, "seconds": round(time.time() - started, 1),
               "command": " ".join(["python benchmarks/diagnostics/kernel_ab.py"] + sys.argv[1:]),
+              "copy_bandwidth_GB_per_s": bandwidth / 1e9 if bandwidth else None,
               "errors": errors, "timings": rows, "variants": variants}  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "kernel_ab.json").write_text(json.dumps(report, indent=2))

@@ -41,10 +41,11 @@ def test_decode_matches_reference(layout, head_dim, ratio):
     check(args, dtype)
 
 
-@pytest.mark.parametrize("layout, dtype", [("4-2", torch.float16), ("8-4", torch.float32)])
+@pytest.mark.parametrize("layout, dtype", [("4-2", torch.float16), ("8-4", torch.float32), ("r25", torch.float16)])
 @pytest.mark.parametrize("value_group", [None, 32])
 def test_decode_wide_codes_and_value_groups(layout, dtype, value_group):
-    """4- and 8-bit key codes, and values in several channel groups per token."""
+    """4- and 8-bit key codes (pairs of planes as 2-bit fields, or byte quads at 32-token groups), 3-bit
+    codes in a 32-channel tensor (a pair and a plane), and values in several channel groups per token."""
     generator = seeded()
     args = decode_inputs(
         generator, layout, 128, 4, dtype, sink_len=[3, 0], num_groups=[3, 2], residual_len=[5, 128],

@@ -137,15 +137,19 @@ def linear_element(bases: tuple, register: int, lane: int, warp: int) -> list:
 
 @pytest.mark.parametrize("group_size, tokens, step", [(128, 128, 0), (256, 128, 1), (128, 64, 1), (256, 64, 2), (64, 64, 0)])
 @pytest.mark.parametrize("cols", [32, 64, 128])
-def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, tokens, step, cols):
-    """Thread-owned key words (``quantize.py``) as the kernel reads them: each thread loads the word
-    the words' layout gives it (``_key_owned_layouts``) from the step's word rows, shifts it by 2
-    for a chunk's second half and ANDs it with its row's mask (``_key_row_factors``): every element of
-    its 8-bit A operand is then 2^bit times the code bit of the token and channel the operand layout
-    gives that element, for steps of 128 and 64 tokens, groups of 64 to 256."""
+@pytest.mark.parametrize("planes", [1, 2])
+def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, tokens, step, cols, planes):
+    """Thread-owned key words (``quantize.py``) as the kernel reads them (``_key_level_scores``): each
+    thread loads the word the words' layout gives it (``_key_owned_layouts``) from the step's word
+    rows; a plane's word shifted by 2 for a chunk's second half, or a pair of planes' 2-bit field
+    word of the chunk's half (the second slot for the second half) shifted by the row half, then
+    ANDed with its row's mask (``0x01010101`` or ``0x03030303`` shifted by ``_key_row_factors``'
+    bit): every element of its 8-bit A operand is then 2^bit times the code (of one or two planes)
+    of the token and channel the operand layout gives that element, for steps of 128 and 64 tokens,
+    groups of 64 to 256."""
     distance = quantize.key_tile_distance(group_size)
-    bits = torch.randint(0, 2, (group_size, cols), generator=seeded(group_size + tokens + step))
-    words = quantize.keys_to_operand_order(pack_bits(bits.T, 1).squeeze(-2).T.contiguous())  # [G/32, cols]
+    codes = torch.randint(0, 2**planes, (group_size, cols), generator=seeded(group_size + tokens + step + planes))
+    words = quantize.keys_to_operand_order(pack_bits(codes.T, planes).permute(1, 2, 0).contiguous())  # [planes, G/32, cols]
     assert quantize.thread_owned_keys(group_size, cols)
     key_bytes, key_words = mma._key_owned_layouts(cols, tokens, distance)
     operand = mma._a8_operand_bases(tokens, cols)
@@ -161,10 +165,15 @@ def test_thread_owned_key_words_give_each_thread_its_operand_bits(group_size, to
             for register in range(2 ** len(operand[0])):
                 t, k = linear_element(operand, register, lane, warp)
                 pair, quad, lane_column = linear_element(word_bases, register, lane, warp)
-                word = int(words[first_row + pair, 4 * quad + lane_column]) & MASK
-                bit = 4 * (t // distance + first_tile) + (t >> 3) % 2
-                element = byte((word >> (2 * ((k >> 4) & 1))) & (0x01010101 << bit), k & 3)
-                assert element == (1 << bit) * int(bits[step * tokens + t, k])
+                half, row_half = (k >> 4) & 1, (t >> 3) & 1
+                bit = 4 * (t // distance + first_tile) + row_half
+                if planes == 1:
+                    word = int(words[0, first_row + pair, 4 * quad + lane_column]) & MASK
+                    element = byte((word >> (2 * half)) & (0x01010101 << bit), k & 3)
+                else:
+                    word = int(words[half, first_row + pair, 4 * quad + lane_column]) & MASK
+                    element = byte((word >> row_half) & (0x03030303 << bit), k & 3)
+                assert element == (1 << bit) * int(codes[step * tokens + t, k])
 
 
 @pytest.mark.parametrize("rows, columns", [(64, 8), (128, 8), (128, 16)])
@@ -396,11 +405,14 @@ def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
 @requires_cuda
 @pytest.mark.parametrize(
     "layout, ratio, dtype, value_bits",
-    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4)],
+    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4),
+     ("r25", 4, torch.bfloat16, 2)],
 )  # fmt: skip
 def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
-    """Kitty's 4-bit keys, and 4-bit values (two field words per row): 4 bits take the 64-token
-    step. 1- and 3-bit values (a bit plane) go to the Triton kernel."""
+    """Kitty's 4-bit keys (two pairs of planes as 2-bit fields), 4-bit values (two field words per
+    row: 4 bits take the 64-token step), and a first key tile whose chunks differ in kind at a level
+    (``r25``: 2-bit fields in the 32 selected channels, a plane in the others). 1- and 3-bit values
+    (a bit plane) go to the Triton kernel."""
     args = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1],
                          residual_len=[7, 128, 0], value_bits=value_bits)  # fmt: skip
     assert mma.step_tokens(128, value_bits) == (64 if value_bits == 4 else 128)
@@ -469,9 +481,9 @@ def largest_key_sums(dtype: torch.dtype) -> tuple:
     128 = 3.1e7 per score, 4.0e9 once the high part's weight 128 is applied (past int32). One sequence
     of 3 groups, nothing else."""
     args = list(decode_inputs(seeded(), "4-4", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0]))
-    codes = torch.full_like(args[5], -1)
-    codes[:, :, :, 3] = quantize.keys_to_operand_order(torch.full_like(codes[:, :, :, 3], 0x55555555))  # plane 3 (the top bit): even tokens only
-    args[5] = codes
+    plain = torch.full_like(args[5], -1)
+    plain[:, :, :, 3] = 0x55555555  # plane 3 (the top bit): even tokens only
+    args[5] = quantize.keys_to_operand_order(plain)
     args[0] = torch.ones_like(args[0])
     args[7] = torch.full_like(args[7], 0.01)  # key scales
     args[8] = torch.zeros_like(args[8])  # key zeros

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from kernel_cases import LAYOUTS, mask_of, num_high, random_order, seeded
+from kernel_cases import LAYOUTS, WIDE_LAYOUTS, mask_of, num_high, random_order, seeded
 
 from pnmix_patch.kernels.pack_keys import triton_pack_keys
 from pnmix_patch.kernels.pack_values import triton_pack_values
@@ -25,12 +25,13 @@ def random_keys(generator, batch, heads, tokens, head_dim, dtype):
     return (torch.randn(batch, heads, tokens, head_dim, generator=generator) * spread).to(dtype)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, *WIDE_LAYOUTS])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_pack_keys_matches_reference(layout, head_dim, dtype):
+    """Every layout's codes, the wide ones' too: two pairs of planes as 2-bit fields (4 bits), 8 bits."""
     generator = seeded(head_dim)
-    _, group, bits_high, bits_low = LAYOUTS[layout]
+    _, group, bits_high, bits_low = {**LAYOUTS, **WIDE_LAYOUTS}[layout]
     high = num_high(layout, head_dim)
     keys = random_keys(generator, 2, 2, 2 * group, head_dim, dtype)
     order = random_order(2, 2, head_dim, high, generator)
