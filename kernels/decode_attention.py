@@ -131,6 +131,23 @@ def _key_chunk_step(word, C: tl.constexpr, DISTANCE: tl.constexpr):
 
 
 @triton.jit
+def _or_key_plane(codes, plane_ptrs, field_ptrs, bit, field_bit, mask, group, step, p: tl.constexpr, BITS: tl.constexpr,
+                  PAIRED: tl.constexpr, WORDS: tl.constexpr, C: tl.constexpr):
+    """``codes`` with plane ``p`` of group ``group`` of one key codes tensor (``C`` channels) ORed in at
+    bit ``p``: pointers and bits of :func:`_key_bits`, moved to the chunk by ``step`` (words) and the
+    bits already. The planes below ``PAIRED`` are pairs stored as 2-bit fields: both bits come from
+    the half's word at the pair's first plane, and its second adds nothing."""
+    if p < PAIRED:
+        if p % 2 == 0:
+            words = tl.load(field_ptrs + (group * BITS + p) * WORDS * C + step, mask=mask, other=0)
+            codes |= ((words >> field_bit) & 3) << p
+    elif p < BITS:
+        words = tl.load(plane_ptrs + (group * BITS + p) * WORDS * C + step, mask=mask, other=0)
+        codes |= ((words >> bit) & 1) << p
+    return codes
+
+
+@triton.jit
 def _value_bits(p: tl.constexpr, word, bit, D: tl.constexpr, BITS_V: tl.constexpr):
     """Where plane ``p`` of value channel ``32 word + bit`` (``word`` ``[W]``, ``bit`` ``[32]``) is in a
     token's words in operand order (``quantize.py``): the word column, the bit in that word and
@@ -244,21 +261,10 @@ def _decode_split_kernel(
         low_step, low_bit_step = _key_chunk_step(word, C_LOW, LOW_DISTANCE)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
-            # A pair of planes (2m, 2m + 1), as fields: one load of the half's word for both bits.
-            if p < HIGH_PAIRED:
-                if p % 2 == 0:
-                    bits = tl.load(kh_field_ptrs + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_step, mask=is_high[None, :], other=0)
-                    codes |= ((bits >> (high_field_bit + high_bit_step)) & 3) << p
-            elif p < BITS_HIGH:
-                bits = tl.load(kh_ptrs + (group * BITS_HIGH + p) * WORDS * C_HIGH + high_step, mask=is_high[None, :], other=0)
-                codes |= ((bits >> (high_bit + high_bit_step)) & 1) << p
-            if p < LOW_PAIRED:
-                if p % 2 == 0:
-                    bits = tl.load(kl_field_ptrs + (group * BITS_LOW + p) * WORDS * C_LOW + low_step, mask=low_mask[None, :], other=0)
-                    codes |= ((bits >> (low_field_bit + low_bit_step)) & 3) << p
-            elif p < BITS_LOW:
-                bits = tl.load(kl_ptrs + (group * BITS_LOW + p) * WORDS * C_LOW + low_step, mask=low_mask[None, :], other=0)
-                codes |= ((bits >> (low_bit + low_bit_step)) & 1) << p
+            codes = _or_key_plane(codes, kh_ptrs, kh_field_ptrs, high_bit + high_bit_step, high_field_bit + high_bit_step,
+                                  is_high[None, :], group, high_step, p, BITS_HIGH, HIGH_PAIRED, WORDS, C_HIGH)
+            codes = _or_key_plane(codes, kl_ptrs, kl_field_ptrs, low_bit + low_bit_step, low_field_bit + low_bit_step,
+                                  low_mask[None, :], group, low_step, p, BITS_LOW, LOW_PAIRED, WORDS, C_LOW)
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         # q . (zero + code * scale) = (q * scale) . code + q . zero; codes are exact in fp16/bf16.

@@ -204,7 +204,6 @@ _WORD_FROM_TOKEN_DIMS = (0, 2, 5, 4, 7, 8, 1, 6, 3)
 """A thread-owned key word's bits (module docstring, "keys") from a token's dims ``[block, tile, tile
 pair, row half, lane row]`` and a channel's ``[chunk, half, lane column, byte]``: word row ``[block,
 tile pair]``, word column ``[chunk, lane row, lane column]``, bit ``[byte, tile, half, row half]``."""
-_TOKEN_FROM_WORD_DIMS = tuple(_WORD_FROM_TOKEN_DIMS.index(d) for d in range(9))
 
 
 def key_tile_distance(group_size: int) -> int:
@@ -276,12 +275,12 @@ word row ``[block, tile pair]``, word ``[chunk, lane row, lane column]``, byte, 
 half]``."""
 
 
-def _in_token_order(values: torch.Tensor, rows: int, channels: int, word_dims: tuple[int, ...] = _WORD_FROM_TOKEN_DIMS) -> torch.Tensor:
+def _in_token_order(values: torch.Tensor, lead: list[int], rows: int, channels: int,
+                    word_dims: tuple[int, ...] = _WORD_FROM_TOKEN_DIMS) -> torch.Tensor:
     """Values at the bits of thread-owned key words (a bit, or a code made of the planes' bits),
-    ``[..., G/32, C, 32]``, or, with ``word_dims`` :data:`_FIELD_FROM_TOKEN_DIMS`, at the fields of a
-    pair's two slots, ``[..., 2, G/32, C, 16]`` -> ``[..., G, C]`` by token and channel."""
+    ``[*lead, G/32, C, 32]``, or, with ``word_dims`` :data:`_FIELD_FROM_TOKEN_DIMS`, at the fields of
+    a pair's two slots, ``[*lead, 2, G/32, C, 16]`` -> ``[*lead, G, C]`` by token and channel."""
     sizes = sum(_thread_owned_dims(32 * rows, channels), ())
-    lead = values.shape[: values.dim() - (4 if word_dims == _FIELD_FROM_TOKEN_DIMS else 3)]
     values = values.reshape(*lead, *(sizes[d] for d in word_dims))
     inverse = tuple(word_dims.index(d) for d in range(len(word_dims)))
     return values.permute(*range(len(lead)), *(len(lead) + d for d in inverse)).reshape(*lead, 32 * rows, channels)
@@ -305,7 +304,7 @@ def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
     *lead, rows, channels = codes.shape
     if not thread_owned_keys(32 * rows, channels):
         return transpose_byte_quads(codes, -1)  # its own inverse
-    bits = _in_token_order(_bits_of_words(key_fields_to_planes(codes)), rows, channels).reshape(*lead, rows, WORD_BITS, channels)
+    bits = _in_token_order(_bits_of_words(key_fields_to_planes(codes)), lead, rows, channels).reshape(*lead, rows, WORD_BITS, channels)
     return _words_of_bits(bits.transpose(-1, -2))
 
 
@@ -316,7 +315,7 @@ def _thread_owned_codes(codes: torch.Tensor) -> torch.Tensor:
     *lead, planes, rows, channels = codes.shape
     pairs = planes // 2
     if not pairs or sys.byteorder != "little":
-        return _in_token_order(_codes_per_bit(key_fields_to_planes(codes), 2), rows, channels)
+        return _in_token_order(_codes_per_bit(key_fields_to_planes(codes), 2), lead, rows, channels)
     dtype = torch.uint8 if planes <= 8 else torch.int32
     # Byte i of slot 2m + half holds field f = 2 tile + row half at bits 2f, 2f + 1: [..., pair, half, rows, C, i, f].
     word_bytes = codes[..., : 2 * pairs, :, :].contiguous().view(torch.uint8).reshape(*lead, pairs, 2, rows, channels, 4, 1)
@@ -327,7 +326,7 @@ def _thread_owned_codes(codes: torch.Tensor) -> torch.Tensor:
         top = codes[..., -1:, :, :].contiguous().view(torch.uint8).reshape(*lead, 1, rows, channels, 4, 1)
         positions = torch.tensor([[0, 1, 4, 5], [2, 3, 6, 7]], dtype=torch.uint8, device=codes.device)  # [half, f]
         fields = fields + (((top >> positions.view(2, 1, 1, 1, 4)) & 1).to(dtype) << (2 * pairs))
-    return _in_token_order(fields.reshape(*lead, 2, rows, channels, 16), rows, channels, _FIELD_FROM_TOKEN_DIMS)
+    return _in_token_order(fields, lead, rows, channels, _FIELD_FROM_TOKEN_DIMS)
 
 
 def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
