@@ -35,6 +35,7 @@ kernel variants between GPU runs. Writes ``kernel_sass.json`` under ``--out``.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -76,6 +77,15 @@ CLASSES = {
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
+def with_constexpr_defaults(kernel, constants: dict) -> dict:
+    """``constants`` and each other constexpr parameter of ``kernel`` at its default, as a launch that
+    does not pass it compiles it (``PDL=False``): a parameter left out would compile as a run-time
+    integer, its branches kept (until the thirty-second session these builds had ``PDL`` so: 2-5 more
+    instructions in the Gluon kernel's packed loop than the launch's build)."""
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
+    return defaults | constants
+
+
 def compile_split_kernel(config: PNMixConfig) -> bytes:
     """The sm_90 cubin of the split kernel for ``config`` at the Qwen3-8B head shape, bf16."""
     num_high = 2 * config.num_selected_pairs(HEAD_DIM)
@@ -86,6 +96,7 @@ def compile_split_kernel(config: PNMixConfig) -> bytes:
         LOW_DISTANCE=key_word_distance(config.key_group_size, HEAD_DIM - num_high),
         BLOCK_N_DENSE=BLOCK_N_DENSE, DOT_PRECISION="tf32",
     )  # fmt: skip
+    constants = with_constexpr_defaults(_decode_split_kernel, constants)
     signature = {}
     for name in _decode_split_kernel.arg_names:
         if name in constants:
@@ -106,10 +117,10 @@ def compile_mma_kernel(config: PNMixConfig, max_registers: int | None) -> bytes:
     from triton.experimental.gluon._runtime import GluonASTSource
 
     kernel = mma._decode_split_kernel_mma
-    constants = mma.kernel_constants(
+    constants = with_constexpr_defaults(kernel, mma.kernel_constants(
         HEAD_DIM, RATIO, config.key_group_size, 2 * config.num_selected_pairs(HEAD_DIM),
         config.key_bits_high, config.key_bits_low, config.value_bits,
-    )  # fmt: skip
+    ))  # fmt: skip
     signature, attributes = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constants:

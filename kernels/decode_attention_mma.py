@@ -26,8 +26,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   (:func:`_key_row_factors`); a pair of planes is two field words, one per half, and ``(word >> row
   half) & 0x03030303 << bit`` reads ``2^bit`` times the pair's 2-bit code, the same factor, so
   planes and fields share one accumulator (:func:`_key_level_scores`). The fields took pnmix-1's
-  packed loop from 504 to 476 instructions per warp and group (kivi-2 465 -> 415; sm_90, Triton
-  3.7.1) and pnmix-1's time to 0.96-0.98x at batch 1 and 32 on an H200 (bf16,
+  packed loop from 502 to 474 instructions per warp and group (kivi-2 465 -> 414; sm_90, Triton
+  3.7.1, ``benchmarks/results/kernel_sass_*constexpr_defaults.json``) and pnmix-1's time to 0.96-0.98x at batch 1 and 32 on an H200 (bf16,
   ``benchmarks/results/kernel_ab_key_fields.log``). Else (words byte-transposed in runs of four) a key word holds 8 rows
   x 4 columns, read by the 8 threads of those rows, and ``word & 0x01010101 << j`` is the register
   of row j: ``2^j * bit`` (bit 7 reads -128). Either way the factor (``2^-bit``, ``2^-j``, ``-2^-7``)

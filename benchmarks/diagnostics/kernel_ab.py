@@ -16,7 +16,7 @@ ratios and the fraction of copy bandwidth of both kernels. With
 ``--variants``, also the current kernel's launch variants of ``VARIANTS`` (shared stages,
 register cap, split slots per multiprocessor; ``--variant-configs`` names others) on the shapes of
 ``VARIANT_SHAPES`` (``--variant-presets`` picks presets). Writes ``kernel_ab.json`` under
-``--out`` (default ``benchmarks/results``).
+``--out`` (default ``benchmarks/results``) after every row (``"complete": false`` until the end).
 
 The caches are in today's packed order. A baseline from before ``52e7023`` (when the cache's words
 were stored plain, not in operand order, ``pnmix_patch/quantize.py``) reads them wrong: give
@@ -149,6 +149,26 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+def report_writer(out: str, name: str, script: str) -> callable:
+    """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
+    GPU, torch, the seconds since this call, the command (``script`` and this process's arguments),
+    ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
+    time limit) leaves the rows it timed, with ``"complete": false``."""
+    started = time.time()
+    header = {"date": time.strftime("%Y-%m-%d"),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "command": " ".join([f"python {script}"] + sys.argv[1:])}  # fmt: skip
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool = False, **sections) -> None:
+        report = dict(header, seconds=round(time.time() - started, 1), complete=complete, **sections)
+        path.write_text(json.dumps(report, indent=2))
+
+    return write
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--baseline", required=True, help="a copy of kernels/decode_attention_mma.py")
@@ -181,15 +201,20 @@ def main() -> None:
                     else (lambda cache: cache))  # fmt: skip
     device = torch.device("cuda")
     torch.manual_seed(0)
-    started = time.time()
+    write = report_writer(args.out, "kernel_ab.json", "benchmarks/diagnostics/kernel_ab.py")
     sms = _multiprocessors(device.index or 0)
     bandwidth = copy_bandwidth(device) if args.sdpa else None
+    errors, rows, variants = [], [], []
+
+    def save(complete: bool = False) -> None:
+        write(complete, copy_bandwidth_GB_per_s=bandwidth / 1e9 if bandwidth else None,
+              errors=errors, timings=rows, variants=variants)
+
     if bandwidth:
         print(f"  copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     shapes = {}
     for preset, batch, tokens in args.shapes or [(p, b, t) for p, pairs in SHAPES.items() for b, t in pairs]:
         shapes.setdefault(preset, []).append((batch, tokens))
-    errors, rows = [], []
     for dtype in (torch.bfloat16, torch.float16):
         for preset, config in PRESETS.items():
             for batch, tokens in ERROR_SHAPES:
@@ -199,6 +224,7 @@ def main() -> None:
                          "baseline": relative_error(baseline.mma_decode_attention(*for_baseline(cache)), want),
                          "current": relative_error(current.mma_decode_attention(*cache), want)}  # fmt: skip
                 errors.append(error)
+                save()
                 print(f"  error {preset} {dtype}: baseline {error['baseline']:.2e}  current {error['current']:.2e}", flush=True)
     sdpa = {}
     for preset, pairs in ({} if args.skip_ab else shapes).items():
@@ -231,8 +257,8 @@ def main() -> None:
                       f"{row['sdpa_over_current']:.2f}x current; of copy {row['baseline_fraction_of_copy']:.1%} baseline, "
                       f"{row['current_fraction_of_copy']:.1%} current", flush=True)
             rows.append(row)
+            save()
             del cache, baseline_cache
-    variants = []
     configs = args.variant_configs or VARIANTS
     for preset in (args.variant_presets or list(VARIANT_SHAPES)) if args.variants else ():
         for batch, tokens in VARIANT_SHAPES[preset]:
@@ -241,24 +267,18 @@ def main() -> None:
             baseline_cache = for_baseline(cache)
             ms = median_ms(lambda: baseline.mma_decode_attention(*baseline_cache))
             variants.append({"preset": preset, "batch": batch, "context": tokens, "kernel": "baseline", "ms": ms})
+            save()
             print(f"  {preset} B={batch:3d} T={tokens:6d} baseline (its defaults): {ms * 1e3:8.1f} us", flush=True)
             for stages, registers, per_sm in configs:
                 splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, groups)
                 ms = median_ms(lambda: current.mma_decode_attention(*cache, num_splits=splits, max_registers=registers, stages=stages))
                 variants.append({"preset": preset, "batch": batch, "context": tokens, "stages": stages, "max_registers": registers,
                                  "slots_per_sm": per_sm, "splits": splits, "ms": ms})  # fmt: skip
+                save()
                 print(f"  {preset} B={batch:3d} T={tokens:6d} stages={stages} registers={registers} slots={per_sm}/SM "
                       f"splits={splits:3d}: {ms * 1e3:8.1f} us", flush=True)
             del cache
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "seconds": round(time.time() - started, 1),
-              "command": " ".join(["python benchmarks/diagnostics/kernel_ab.py"] + sys.argv[1:]),
-              "copy_bandwidth_GB_per_s": bandwidth / 1e9 if bandwidth else None,
-              "errors": errors, "timings": rows, "variants": variants}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "kernel_ab.json").write_text(json.dumps(report, indent=2))
-
+    save(complete=True)
 
 if __name__ == "__main__":
     main()

@@ -8,16 +8,14 @@ the current kernel, and of each ``--baseline`` (a copy of ``kernels/decode_atten
 today's cache format, loaded as ``kernel_ab.py`` does; named by its file name) beside it, with every segment, then with the residual's, the sinks', both
 and the packed groups' lengths set to zero, and with all three at zero (launches, merge kernel and
 prologue only). The per-sequence lengths are device tensors, so one cache and one split count
-serve every case. Writes ``segment_cost.json`` under ``--out`` (default ``benchmarks/results``).
+serve every case. Writes ``segment_cost.json`` under ``--out`` (default ``benchmarks/results``) after every
+timing (``"complete": false`` until the end).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import PRESETS, build_cache, median_ms  # noqa: E402
-from kernel_ab import load_baseline  # noqa: E402
+from kernel_ab import load_baseline, report_writer  # noqa: E402
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 
@@ -47,7 +45,7 @@ def main() -> None:
     kernels = {"current": current} | {Path(path).stem: load_baseline(path, Path(path).stem) for path in args.baseline}
     device = torch.device("cuda")
     torch.manual_seed(0)
-    started = time.time()
+    write = report_writer(args.out, "segment_cost.json", "benchmarks/diagnostics/segment_cost.py")
     rows = []
     for batch, tokens in args.shapes:
         cache = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
@@ -59,15 +57,10 @@ def main() -> None:
                     arguments[index].copy_(torch.zeros_like(lengths) if index in emptied else lengths)
                 ms = median_ms(lambda: module.mma_decode_attention(*arguments))
                 rows.append({"kernel": name, "batch": batch, "context": tokens, "case": case, "ms": ms})
+                write(timings=rows)
                 print(f"  {name:20s} B={batch:2d} T={tokens:6d} {case:22s} {ms * 1e3:8.1f} us", flush=True)
         del cache
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {"date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "seconds": round(time.time() - started, 1),
-              "command": " ".join(["python benchmarks/diagnostics/segment_cost.py"] + sys.argv[1:]), "timings": rows}  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "segment_cost.json").write_text(json.dumps(report, indent=2))
-
+    write(complete=True, timings=rows)
 
 if __name__ == "__main__":
     main()

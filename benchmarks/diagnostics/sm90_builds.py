@@ -9,7 +9,11 @@ kernel at 1, 4, 7 and 16 query heads per KV head (its launch register cap). Poin
 specialized for alignment. Writes ``sm90_builds.json`` under ``--out`` (default ``benchmarks/results``):
 the SHA-256 prefix of each build's PTX less debug information (``--ptx-dir``: the PTX files too), and
 the builds that failed (a layout or constexpr error). Run it at two commits and compare the JSONs to
-see whether a change altered the code. Run without ``TRITON_INTERPRET``.
+see whether a change altered the code. Run without ``TRITON_INTERPRET``. Constexpr parameters that a
+shape does not set are built at their defaults (``kernel_sass.with_constexpr_defaults``); before the
+thirty-second session the Triton kernels' ``PDL`` was built as a run-time integer, so fingerprints of
+that script's JSONs (``sm90_builds_{9ab1166,caea14e,646f4ed,4a0677c}.json``) differ from today's for the
+split and append kernels: rebuild both commits with one version of the script to compare them.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import importlib
 import json
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -27,6 +32,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernel_sass import with_constexpr_defaults  # noqa: E402
 
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.pack_values import value_layout
@@ -64,7 +72,7 @@ def word_distance(group_size: int, channels: int) -> int:
 
 def build(kernel, types: dict, constants: dict, gluon: bool, options: dict) -> str:
     """PTX of ``kernel`` for sm_90 with ``constants`` (those it takes), less debug information."""
-    constants = {k: v for k, v in constants.items() if k in kernel.arg_names}
+    constants = with_constexpr_defaults(kernel, {k: v for k, v in constants.items() if k in kernel.arg_names})
     signature = {n: "constexpr" if n in constants else types.get(n, "*bf16") if n.endswith("_ptr")
                  else "fp32" if n in ("qk_scale", "eps") else "i32" for n in kernel.arg_names}  # fmt: skip
     source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constants)
@@ -98,7 +106,7 @@ def main() -> None:
         for ratio in (1, 4, 7, 16):
             if mma.supports_shapes(head_dim, group, bits_high, bits_low, bits_value, 1, 8 * ratio, 8, high):
                 builds[f"gluon_r{ratio}_{key}"] = (mma._decode_split_kernel_mma, SPLIT,
-                                                    dict(mma.kernel_constants(head_dim, ratio, group, high, bits_high, bits_low, bits_value), PDL=False),
+                                                    mma.kernel_constants(head_dim, ratio, group, high, bits_high, bits_low, bits_value),
                                                     True, {"maxnreg": mma.register_cap(group, ratio)})  # fmt: skip
         for name, (kernel, types, constants, gluon, options) in builds.items():
             try:
