@@ -16,7 +16,8 @@
    and the fraction of the copy bandwidth measured in the same run.
 3. Flush and pack cost at batch 32, amortized over the residual's 128 decode steps.
 
-Writes ``bench_attention.json`` under ``--out`` (default ``benchmarks/results``).
+Writes ``bench_attention.json`` under ``--out`` (default ``benchmarks/results``) after every shape
+(``"complete": false`` until the flush cost is in).
 """
 
 from __future__ import annotations
@@ -177,7 +178,9 @@ def check_patched_model(device) -> dict:
     }
 
 
-def time_shapes(device, bandwidth, shapes, reference_limit) -> list[dict]:
+def time_shapes(device, bandwidth, shapes, reference_limit, after_shape=None) -> list[dict]:
+    """The timed rows of every preset (Gluon and Triton kernels, the reference where the shape is
+    small) and SDPA at each ``(batch, tokens)``; ``after_shape(rows)`` is called after each shape."""
     rows = []
     for batch, tokens in shapes:
         for name, config in PRESETS.items():
@@ -191,6 +194,8 @@ def time_shapes(device, bandwidth, shapes, reference_limit) -> list[dict]:
                 rows.append(row("reference", name, batch, tokens, ms, bytes_read(args[:-1]), bandwidth))
             del args
         rows.append(row("sdpa", "bf16", batch, tokens, *sdpa_ms_and_bytes(device, batch, tokens), bandwidth))
+        if after_shape is not None:
+            after_shape(rows)
     return rows
 
 
@@ -473,17 +478,23 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     batches, contexts = ((1, 32), (4096, 32768)) if args.quick else ((1, 8, 32, 64), (4096, 16384, 32768, 65536))
-    rows = time_shapes(device, bandwidth, [(b, t) for b in batches for t in contexts], reference_limit=8 * 16384)
-    flush = flush_cost(device, rows)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
+        "torch": torch.__version__, "host": platform.node(), "seconds": None, "complete": False,
         "command": "python benchmarks/bench_attention.py" + (" --quick" if args.quick else ""),
-        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "correctness": correctness, "timings": rows, "flush": flush,
+        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "correctness": correctness, "timings": [], "flush": [],
     }  # fmt: skip
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "bench_attention.json").write_text(json.dumps(report, indent=2))
+
+    def save(**sections) -> None:
+        """Rewrite the JSON with what is measured so far (``complete`` stays false until the end)."""
+        report.update(sections, seconds=round(time.time() - started, 1))
+        (Path(args.out) / "bench_attention.json").write_text(json.dumps(report, indent=2))
+
+    rows = time_shapes(device, bandwidth, [(b, t) for b in batches for t in contexts], reference_limit=8 * 16384,
+                       after_shape=lambda rows: save(timings=rows))
+    save(flush=flush_cost(device, rows), complete=True)
 
 
 if __name__ == "__main__":
