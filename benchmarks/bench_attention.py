@@ -27,6 +27,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -431,6 +432,26 @@ def sweep_occupancy(device) -> list[dict]:
     return rows
 
 
+def report_writer(out: str, name: str, script: str) -> callable:
+    """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
+    GPU, torch, host, the seconds since this call, the command (``script`` and this process's arguments),
+    ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
+    time limit) leaves the rows it timed, with ``"complete": false``."""
+    started = time.time()
+    header = {"date": time.strftime("%Y-%m-%d"),
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
+              "command": " ".join([f"python {script}"] + sys.argv[1:])}  # fmt: skip
+    path = Path(out) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool = False, **sections) -> None:
+        report = dict(header, seconds=round(time.time() - started, 1), complete=complete, **sections)
+        path.write_text(json.dumps(report, indent=2))
+
+    return write
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
@@ -445,7 +466,6 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
-    started = time.time()
     if args.append_only:
         from bench_decode import check_decode_append
 
@@ -473,28 +493,18 @@ def main() -> None:
                   "command": "python benchmarks/bench_attention.py --sweep-launch", "rows": rows}  # fmt: skip
         (Path(args.out) / "bench_attention_launch_sweep.json").write_text(json.dumps(report, indent=2))
         return
+    write = report_writer(args.out, "bench_attention.json", "benchmarks/bench_attention.py")
     print("correctness", flush=True)
     correctness = check_correctness(device)
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     batches, contexts = ((1, 32), (4096, 32768)) if args.quick else ((1, 8, 32, 64), (4096, 16384, 32768, 65536))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report = {
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "host": platform.node(), "seconds": None, "complete": False,
-        "command": "python benchmarks/bench_attention.py" + (" --quick" if args.quick else ""),
-        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "correctness": correctness, "timings": [], "flush": [],
-    }  # fmt: skip
-    Path(args.out).mkdir(parents=True, exist_ok=True)
 
-    def save(**sections) -> None:
-        """Rewrite the JSON with what is measured so far (``complete`` stays false until the end)."""
-        report.update(sections, seconds=round(time.time() - started, 1))
-        (Path(args.out) / "bench_attention.json").write_text(json.dumps(report, indent=2))
+    def save(timings: list[dict], flush: list[dict] = (), complete: bool = False) -> None:
+        write(complete, copy_bandwidth_GB_per_s=bandwidth / 1e9, correctness=correctness, timings=timings, flush=list(flush))
 
-    rows = time_shapes(device, bandwidth, [(b, t) for b in batches for t in contexts], reference_limit=8 * 16384,
-                       after_shape=lambda rows: save(timings=rows))
-    save(flush=flush_cost(device, rows), complete=True)
+    rows = time_shapes(device, bandwidth, [(b, t) for b in batches for t in contexts], reference_limit=8 * 16384, after_shape=save)
+    save(rows, flush_cost(device, rows), complete=True)
 
 
 if __name__ == "__main__":

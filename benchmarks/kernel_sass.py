@@ -80,7 +80,7 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 def with_constexpr_defaults(kernel, constants: dict) -> dict:
     """``constants`` and each other constexpr parameter of ``kernel`` at its default, as a launch that
     does not pass it compiles it (``PDL=False``): a parameter left out would compile as a run-time
-    integer, its branches kept (until the thirty-second session these builds had ``PDL`` so: 2-5 more
+    integer, its branches kept (until the thirty-second session these builds had ``PDL`` so: 1-5 more
     instructions in the Gluon kernel's packed loop than the launch's build)."""
     defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
     return defaults | constants

@@ -36,17 +36,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_attention import KV_HEADS, PRESETS, build_cache, bytes_read, copy_bandwidth, median_ms, sdpa_ms_and_bytes  # noqa: E402
+from bench_attention import (  # noqa: E402
+    KV_HEADS, PRESETS, build_cache, bytes_read, copy_bandwidth, median_ms, report_writer, sdpa_ms_and_bytes,
+)
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits, decode_attention_reference  # noqa: E402
@@ -147,26 +146,6 @@ def shape_option(text: str) -> tuple[str, int, int]:
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
-
-
-def report_writer(out: str, name: str, script: str) -> callable:
-    """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
-    GPU, torch, the seconds since this call, the command (``script`` and this process's arguments),
-    ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
-    time limit) leaves the rows it timed, with ``"complete": false``."""
-    started = time.time()
-    header = {"date": time.strftime("%Y-%m-%d"),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "command": " ".join([f"python {script}"] + sys.argv[1:])}  # fmt: skip
-    path = Path(out) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(complete: bool = False, **sections) -> None:
-        report = dict(header, seconds=round(time.time() - started, 1), complete=complete, **sections)
-        path.write_text(json.dumps(report, indent=2))
-
-    return write
 
 
 def main() -> None:
@@ -279,6 +258,7 @@ def main() -> None:
                       f"splits={splits:3d}: {ms * 1e3:8.1f} us", flush=True)
             del cache
     save(complete=True)
+
 
 if __name__ == "__main__":
     main()

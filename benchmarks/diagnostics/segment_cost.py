@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import PRESETS, build_cache, median_ms  # noqa: E402
-from kernel_ab import load_baseline, report_writer  # noqa: E402
+from bench_attention import PRESETS, build_cache, median_ms, report_writer  # noqa: E402
+from kernel_ab import load_baseline  # noqa: E402
 
 from pnmix_patch.kernels import decode_attention_mma as current  # noqa: E402
 
@@ -61,6 +61,7 @@ def main() -> None:
                 print(f"  {name:20s} B={batch:2d} T={tokens:6d} {case:22s} {ms * 1e3:8.1f} us", flush=True)
         del cache
     write(complete=True, timings=rows)
+
 
 if __name__ == "__main__":
     main()
