@@ -12,7 +12,7 @@ with the ``cuobjdump`` that ships with Triton:
   and the spill loads and stores (``LDL``, ``STL``) of the whole kernel;
 - the kernel's loops: the backward branches of the SASS, in program order: sinks, packed
   groups, residual (the dense loops of sinks and residual step 64 tokens; the packed loop
-  32 tokens, one bit-plane word per channel);
+  32 tokens, one bit-plane word per channel), and each loop's opcodes (``loop_opcodes``);
 - for the packed loop, the instructions of one iteration of one warp by class, and
   per cached token and KV head (``instructions x warps / 32``): the figure that bounds the
   kernel when it is instruction-bound (an H200 issues about 132 x 4 warp-instructions per
@@ -153,7 +153,8 @@ def analyze(cubin: bytes, tokens_per_iteration: int = 32) -> dict:
             start = int(target.group(1), 16)
             loops.append([op for a, op, _ in instructions if start <= a <= address])
     spills = sum(1 for _, opcode, _ in instructions if opcode in CLASSES["local memory (spills)"])
-    result = {"registers": registers, "loop_sizes": [len(body) for body in loops], "spill_instructions": spills}
+    result = {"registers": registers, "loop_sizes": [len(body) for body in loops], "spill_instructions": spills,
+              "loop_opcodes": [dict(sorted(Counter(body).items())) for body in loops]}
     if len(loops) == 3:  # sinks, packed groups, residual
         body = Counter(loops[1])
         per_32 = 32 / tokens_per_iteration
