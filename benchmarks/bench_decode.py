@@ -62,7 +62,8 @@ the rest. The profiles run after every row is timed, on the rows set up again: o
 profiler has traced CUDA activity, replaying a CUDA graph captured before it costs more host time
 (``benchmarks/diagnostics/graph_replay.py`` measures it), so timing after a profile would be biased.
 
-Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``).
+Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``) after every timed row
+(every context with ``--interleaved``), with ``"complete": false`` until the last: a run cut short keeps what it timed.
 """
 
 from __future__ import annotations
@@ -72,11 +73,8 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import json
 import math
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import types
@@ -103,7 +101,7 @@ from pnmix_patch.planner import model_config
 from pnmix_patch.quantize import channel_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import copy_bandwidth  # noqa: E402
+from bench_attention import copy_bandwidth, report_writer  # noqa: E402
 
 MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
 CONTEXTS = (1024, 8192, 32768)
@@ -509,7 +507,9 @@ def random_model(model_name: str, device, gemv: bool = False):
 
 
 def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False,
-               gemv=False) -> list[dict]:
+               gemv=False, timed_so_far=lambda rows: None) -> list[dict]:
+    """Every variant's rows for ``model_name``, one after the other (module docstring); ``timed_so_far(rows)``
+    is called after each row is timed (and each is profiled), with the rows so far."""
     model, weight_bytes = random_model(model_name, device, gemv)
     name = cache_arg(model)
     rows, inductor = [], {}
@@ -574,6 +574,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         (timed,) = time_steps([(forward, model, cache)], name)
         rows.append(timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth,
                                pipelined_host_time(forward, model, cache, name)))  # fmt: skip
+        timed_so_far(rows)
         del forward, cache  # so that the next row's setup can free this row's storage
     print(f"  inductor counters during PN-Mix compiled timing: {dict(inductor)}", flush=True)
     if profile:  # the same rows set up again, each compiled step's kernels profiled
@@ -581,6 +582,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         for variant, context, forward, cache, _ in runs(profiling=True):
             print(f"  profile {variant} T={context}", flush=True)
             timed[variant, context]["profile"] = profile_steps(forward, model, cache, name)
+            timed_so_far(rows)
             del forward, cache
     del model
     torch.cuda.empty_cache()
@@ -601,7 +603,7 @@ def own_forward(model) -> None:
 
 def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
                      steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False,
-                     rotation_ab=False, batch=1) -> list[dict]:  # fmt: skip
+                     rotation_ab=False, batch=1, timed_so_far=lambda rows: None) -> list[dict]:  # fmt: skip
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -624,7 +626,9 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     code (:func:`separate_rotation`; variants ``pnmix-...-separate-rope``), takes turns too; the PN-Mix
     rows get their ratio to it.
 
-    ``batch``: sequences decoded per step (each cache filled to the same context)."""
+    ``batch``: sequences decoded per step (each cache filled to the same context).
+
+    ``timed_so_far(rows)`` is called after each context's rows, with the rows so far."""
     bf16_model, weight_bytes = random_model(model_name, device, gemv)
     bf16_model.set_attn_implementation("sdpa_gqa")
     pnmix_models = [patch_model(random_model(model_name, device, gemv)[0], "pnmix-1") for _ in range(1 + rotation_ab)]
@@ -708,6 +712,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 print(f"    host time by step of a turn, {row['variant']} (us): "
                       + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]), flush=True)
             rows += group
+            timed_so_far(rows)
             del bf16_forward, bf16_cache, runs
             torch.cuda.empty_cache()
     return rows
@@ -773,7 +778,9 @@ def main() -> None:
     if args.turn < 1 or not 0 <= args.untimed < args.turn:
         parser.error(f"--turn {args.turn} --untimed {args.untimed}: allowed a turn of 1 step or more, and 0 to turn - 1 untimed")
     device = torch.device("cuda")
-    started = time.time()
+    tag = args.tag.lstrip("_")
+    write = report_writer(args.out, f"bench_decode_{'_'.join(args.model)}{f'_{tag}' if tag else ''}.json",
+                          "benchmarks/bench_decode.py")
     checks = {}
     if not args.skip_checks:
         print("checks", flush=True)
@@ -784,29 +791,26 @@ def main() -> None:
         } | ({"gemv_products": check_gemv_products(device)} if args.gemv else {})
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    tag = args.tag.lstrip("_")
-    path = Path(args.out) / f"bench_decode_{'_'.join(args.model)}{f'_{tag}' if tag else ''}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for model_name in args.model:  # the report is written after each model: a run cut short keeps what it timed
+    sections = {
+        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
+        "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
+        "graphed_pdl_default": kernels_common.has_pdl(device.index or 0),  # GraphedDecodeStep's (graphed rows)
+        "checks": checks,
+    }  # fmt: skip
+    rows = []  # the models timed so far; the report is rewritten after every row (or context, interleaved)
+
+    def timed_so_far(model_rows):
+        write(timings=rows + model_rows, **sections)
+
+    for model_name in args.model:
         if args.interleaved:
             rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
                                      turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab,
-                                     rotation_ab=args.rotation_ab, batch=args.batch)  # fmt: skip
+                                     rotation_ab=args.rotation_ab, batch=args.batch, timed_so_far=timed_so_far)  # fmt: skip
         else:
             rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
-                               args.gemv)
-        report = {
-            "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
-            "command": "python " + " ".join(sys.argv),
-            "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
-            "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
-            "graphed_pdl_default": kernels_common.has_pdl(device.index or 0),  # GraphedDecodeStep's (graphed rows)
-            "checks": checks, "timings": rows,
-        }  # fmt: skip
-        path.write_text(json.dumps(report, indent=2))
+                               args.gemv, timed_so_far)  # fmt: skip
+    write(complete=True, timings=rows, **sections)
 
 
 if __name__ == "__main__":
