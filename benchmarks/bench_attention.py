@@ -24,90 +24,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench, do_bench_cudagraph
 
 from pnmix_patch import PNMixConfig, new_cache, patch_model
 from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference, triton_decode_attention
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.quantize import channel_order, quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import quantize_keys, quantize_values
 
-PRESETS = {name: PNMixConfig(**params, name=name) for name, params in {
-    "pnmix-1": {},
-    "pnmix-2": {"pair_ratio": 0.4, "key_group_size": 64},
-    "kivi-2": {"pair_ratio": 1.0, "key_bits_high": 2, "key_bits_low": 2},
-}.items()}  # fmt: skip
-Q_HEADS, KV_HEADS, HEAD_DIM, SINKS, RESIDUAL = 32, 8, 128, 32, 128
-
-
-def median_ms(function) -> float:
-    """Median GPU milliseconds of CUDA-graph replays (plain launches if capture fails)."""
-    try:
-        return do_bench_cudagraph(function, rep=200, return_mode="median")
-    except Exception as error:  # e.g. an op that cannot be captured
-        print(f"    (CUDA graph capture failed: {type(error).__name__}; timing eager launches)")
-        return do_bench(function, rep=200, return_mode="median")
-
-
-def copy_bandwidth(device) -> float:
-    """Bytes moved per second (read + write) by a 2 GiB device-to-device copy: median of 20 plain
-    launches timed by CUDA events. Not by :func:`median_ms` (CUDA-graph replays): timed that way the
-    copy gave 2,776-2,777 GB/s on the H200 in this script's runs, against 4,164-4,256 GB/s timed
-    like this in ``bench_decode.py``'s, while bf16 SDPA here read 4.5 TB/s."""
-    source = torch.empty(2**30, dtype=torch.int16, device=device)
-    target = torch.empty_like(source)
-    for _ in range(3):
-        target.copy_(source)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        target.copy_(source)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return 2 * source.numel() * 2 / (statistics.median(times) * 1e-3)
-
-
-def random_order(batch, num_high, device, heads=KV_HEADS):
-    mask = torch.rand(batch, heads, HEAD_DIM, device=device).argsort(-1) < num_high
-    return channel_order(mask)
-
-
-def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, ragged=False):
-    """Arguments of decode_attention for ``tokens`` cached tokens per sequence (kernels pack them)."""
-    group = config.key_group_size
-    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
-    groups = max((tokens - SINKS - RESIDUAL) // group, 0)
-    residual = tokens - SINKS - groups * group
-    order = random_order(batch, num_high, device)
-    keys = torch.randn(batch, KV_HEADS, groups * group, HEAD_DIM, device=device, dtype=dtype)
-    key_parts = pack_keys(keys, order, num_high, group, config.key_bits_high, config.key_bits_low, True)
-    value_parts = pack_values(torch.randn_like(keys), config.value_bits, HEAD_DIM, True, group)
-    del keys
-    if ragged:
-        lengths = (torch.randint(0, SINKS + 1, (batch,)), torch.randint(0, groups + 1, (batch,)), torch.randint(1, RESIDUAL + 1, (batch,)))
-    else:
-        lengths = (torch.full((batch,), SINKS), torch.full((batch,), groups), torch.full((batch,), residual))
-    sink_len, num_groups, residual_len = (x.to(device=device, dtype=torch.int32) for x in lengths)
-
-    def dense(n):
-        return torch.randn(batch, KV_HEADS, n, HEAD_DIM, device=device, dtype=dtype)
-
-    query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
-    return (
-        query, order, dense(SINKS), dense(SINKS), sink_len, *key_parts, *value_parts, num_groups,
-        dense(RESIDUAL), dense(RESIDUAL), residual_len, HEAD_DIM**-0.5,
-    )  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS, RESIDUAL, SINKS, build_cache, check_decode_append, copy_bandwidth, median_ms,
+    random_order, report_writer,
+)
 
 
 def bytes_read(args) -> int:
@@ -406,11 +340,11 @@ def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
     pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
     counts is timed once; the launch default (``default_splits``, ``register_cap``) flagged."""
-    from pnmix_patch.kernels.decode_attention import _multiprocessors, _wave_filling_splits
+    from pnmix_patch.kernels.common import multiprocessors, wave_filling_splits
     from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention, register_cap
 
     rows = []
-    sms = _multiprocessors(device.index or 0)
+    sms = multiprocessors(device.index or 0)
     for preset in ("pnmix-1", "pnmix-2"):
         for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (32, 32768), (64, 16384), (580, 8192)):
             args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
@@ -418,7 +352,7 @@ def sweep_occupancy(device) -> list[dict]:
             for registers in (None, 168, 160, 128, 96):
                 timed = set()  # split counts already timed at this cap: two slot counts can give the same one
                 for per_sm in (2, 3, 4):
-                    splits = _wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
+                    splits = wave_filling_splits(per_sm * sms, batch * KV_HEADS, args[5].shape[2])
                     if splits in timed:
                         continue
                     timed.add(splits)
@@ -430,26 +364,6 @@ def sweep_occupancy(device) -> list[dict]:
                           f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""), flush=True)
             del args
     return rows
-
-
-def report_writer(out: str, name: str, script: str) -> callable:
-    """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
-    GPU, torch, host, the seconds since this call, the command (``script`` and this process's arguments),
-    ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
-    time limit) leaves the rows it timed, with ``"complete": false``."""
-    started = time.time()
-    header = {"date": time.strftime("%Y-%m-%d"),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-              "command": " ".join([f"python {script}"] + sys.argv[1:])}  # fmt: skip
-    path = Path(out) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(complete: bool = False, **sections) -> None:
-        report = dict(header, seconds=round(time.time() - started, 1), complete=complete, **sections)
-        path.write_text(json.dumps(report, indent=2))
-
-    return write
 
 
 def main() -> None:
@@ -467,8 +381,6 @@ def main() -> None:
     device = torch.device("cuda")
     torch.manual_seed(0)
     if args.append_only:
-        from bench_decode import check_decode_append
-
         report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                   "command": "python benchmarks/bench_attention.py --append-only",
                   "bit_exact": check_decode_append(device),

@@ -26,9 +26,9 @@ import torch
 from tqdm.auto import tqdm
 
 import pnmix_patch
-from bench_attention import PRESETS, build_cache
+from common import PRESETS, build_cache
 from pnmix_patch.kernels.decode_attention import decode_attention
-from pnmix_patch.quantize import dequantize_keys, dequantize_values
+from pnmix_patch.reference.quantize import dequantize_keys, dequantize_values
 
 
 def median_ms(function, repeats: int) -> float:

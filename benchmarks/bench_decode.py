@@ -59,8 +59,8 @@ launch). The checks then also compare each model's logits with and without these
 the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for each,
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
 the rest. The profiles run after every row is timed, on the rows set up again: once the
-profiler has traced CUDA activity, replaying a CUDA graph captured before it costs more host time
-(``benchmarks/diagnostics/graph_replay.py`` measures it), so timing after a profile would be biased.
+profiler has traced CUDA activity, replaying a CUDA graph captured before it costs more host time,
+so timing after a profile would be biased.
 
 Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``) after every timed row
 (every context with ``--interleaved``), with ``"complete": false`` until the last: a run cut short keeps what it timed.
@@ -83,47 +83,32 @@ from unittest import mock
 
 import torch
 import torch._inductor.config
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
-from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen3Config, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 import pnmix_patch.kernels.common as kernels_common
 import pnmix_patch.linear
-from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model, unpatch_model
-from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
+from pnmix_patch import new_cache, patch_gemv, patch_model, unpatch_model
 from pnmix_patch.mixins import RuntimeMixin, mixed_class, set_classes
 from pnmix_patch.patches import get_patch
 from pnmix_patch.patches.base import ArchitecturePatch
 from pnmix_patch.planner import model_config
-from pnmix_patch.quantize import channel_order
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import copy_bandwidth, report_writer  # noqa: E402
+from common import (  # noqa: E402
+    PROMPT, STEPS, WARMUP, cache_arg, check_decode_append, copy_bandwidth, fill_bf16, fill_pnmix, gqa_sdpa, graphed_forward, prefill,
+    report_writer, steps_taken, time_steps,
+)
 
 MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
 CONTEXTS = (1024, 8192, 32768)
-PROMPT, WARMUP, STEPS = 64, 8, 40
 INTERLEAVED_STEPS = 100  # timed steps of each variant with --interleaved
 TURN = 10  # consecutive steps of one variant per turn with --interleaved (see time_steps)
 UNTIMED_PER_TURN = 2  # steps after a switch not timed with --interleaved (see time_steps)
 PIPELINED_CALLS = 20  # unsynchronized calls of pipelined_host_time
 PATHS = ("reduce-overhead", "graphed")
-
-
-def gqa_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Decode steps: SDPA with ``enable_gqa=True``, the KV heads read once, never expanded
-    (``repeat_kv``). Prefill chunks take transformers' stock SDPA path."""
-    if query.shape[2] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True)
-    return output.transpose(1, 2), None
-
-
-AttentionInterface.register("sdpa_gqa", gqa_sdpa)
-AttentionMaskInterface.register("sdpa_gqa", sdpa_mask)
 
 
 class FusedProjections(RuntimeMixin):
@@ -159,12 +144,6 @@ def fuse_projections(model) -> None:
     set_classes((module, mixed_class(FusedProjections, type(module))) for module in attentions)
 
 
-def cache_arg(model) -> str:
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
-
-
 # ---------------------------------------------------------------------------- checks
 def check_fair_attention(device) -> float:
     """SDPA with ``enable_gqa`` against transformers' stock SDPA path (repeat_kv): max abs difference."""
@@ -178,41 +157,6 @@ def check_fair_attention(device) -> float:
     difference = (fair.float() - stock.float()).abs().max().item()
     print(f"  enable_gqa SDPA vs stock SDPA: max abs difference {difference:.2e}", flush=True)
     return difference
-
-
-def check_decode_append(device) -> dict:
-    """The CUDA op (Triton) against the reference on every append/flush/overflow case."""
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    batch, heads, dim, group, sinks, residual, group_cap = 5, 8, 128, 128, 32, 128, 4
-    order = channel_order(torch.rand(batch, heads, dim, generator=generator).argsort(-1) < 64)  # 64 high channels
-    results = {}
-    for dtype in (torch.bfloat16, torch.float16):
-        def randn(*shape, dtype=dtype):
-            return torch.randn(*shape, generator=generator).to(dtype)
-
-        def codes(*shape):
-            return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, dtype=torch.int32)
-
-        scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
-        args = [
-            randn(batch, heads, dim), randn(batch, heads, dim), order,
-            randn(batch, heads, sinks, dim), randn(batch, heads, sinks, dim), torch.tensor([3, 32, 32, 32, 32], dtype=torch.int32),
-            randn(batch, heads, residual, dim) * 3, randn(batch, heads, residual, dim), torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
-            codes(batch, heads, group_cap, 3, group // 32, 64), codes(batch, heads, group_cap, 1, group // 32, 64),
-            randn(batch, heads, group_cap, dim, dtype=scale_dtype), randn(batch, heads, group_cap, dim, dtype=scale_dtype),
-            codes(batch, heads, group_cap * group, 2, dim // 32),
-            randn(batch, heads, group_cap * group, 1, dtype=scale_dtype), randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
-            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32), torch.zeros(batch, dtype=torch.bool),
-            torch.zeros(batch, dtype=torch.int32), True,
-        ]  # fmt: skip
-        expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-        decode_append_reference(*expected)
-        on_device = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]
-        decode_append(*on_device)
-        same = all(torch.equal(a.cpu(), b) for a, b in zip(on_device, expected) if isinstance(a, torch.Tensor))
-        results[str(dtype)] = same
-        print(f"  decode_append {dtype}: bit-exact vs reference = {same}", flush=True)
-    return results
 
 
 def check_compiled_tiny_model(device) -> dict:
@@ -306,116 +250,12 @@ def check_gemv_products(device) -> dict:
 
 
 # ---------------------------------------------------------------------------- timing
-def fill_pnmix(cache, context: int) -> int:
-    """Bring every layer of a prefilled PN-Mix cache to ``context`` tokens: random codes, lengths set.
-    Returns the bytes a decode step reads (sinks, groups, residual, scales, order)."""
-    nbytes = 0
-    for layer in cache.layers:
-        cfg = layer.config
-        groups = (context - cfg.sink_tokens - 1) // cfg.key_group_size  # the residual keeps 1..G tokens
-        residual = context - cfg.sink_tokens - groups * cfg.key_group_size
-        if groups > layer.group_capacity:
-            layer._reserve_groups(groups)
-        tokens = groups * cfg.key_group_size
-        for name in ("key_codes_high", "key_codes_low", "value_codes"):
-            part = getattr(layer, name)[:, :, : tokens if name == "value_codes" else groups]
-            part.copy_(torch.randint_like(part, -(2**31), 2**31 - 1))
-        for name in ("key_scale", "key_zero", "value_scale", "value_zero"):
-            part = getattr(layer, name)[:, :, : tokens if name.startswith("value") else groups]
-            part.copy_(torch.rand_like(part) * 0.1)
-        layer.residual_keys.normal_()
-        layer.residual_values.normal_()
-        layer.num_groups.fill_(groups)
-        layer.residual_len.fill_(residual)
-        layer.seen_tokens = context
-        read = [layer.sink_keys, layer.sink_values, layer.order if hasattr(layer, "order") else layer.pair_mask_bits]
-        read += [getattr(layer, n)[:, :, :groups] for n in ("key_codes_high", "key_codes_low", "key_scale", "key_zero")]
-        read += [getattr(layer, n)[:, :, :tokens] for n in ("value_codes", "value_scale", "value_zero")]
-        read += [layer.residual_keys[:, :, :residual], layer.residual_values[:, :, :residual]]
-        nbytes += sum(t.numel() * t.element_size() for t in read)
-    return nbytes
-
-
-def fill_bf16(cache, context: int) -> int:
-    """Bring a prefilled transformers cache to ``context`` tokens; returns bytes a step reads."""
-    nbytes = 0
-    for layer in cache.layers:
-        if isinstance(cache, StaticCache):
-            layer.keys.normal_()
-            layer.values.normal_()
-            layer.cumulative_length.fill_(context)
-            nbytes += 2 * layer.keys.numel() * layer.keys.element_size()  # SDPA reads the whole static buffer
-        else:
-            shape = (*layer.keys.shape[:2], context, layer.keys.shape[-1])
-            layer.keys = torch.randn(shape, dtype=layer.keys.dtype, device=layer.keys.device)
-            layer.values = torch.randn_like(layer.keys)
-            nbytes += 2 * layer.keys.numel() * layer.keys.element_size()
-    return nbytes
-
-
-def graphed_forward(model, cache, reset=True, pdl=None):
-    """A :class:`~pnmix_patch.GraphedDecodeStep` of ``model`` on ``cache`` (fresh Dynamo state unless
-    not ``reset``; ``pdl`` as the class takes it) behind ``model.forward``'s call shape, as
-    :func:`time_steps` and :func:`profile_steps` call it."""
-    if reset:
-        torch._dynamo.reset()
-    step = GraphedDecodeStep(model, cache, pdl=pdl)
-    return lambda input_ids, **_: types.SimpleNamespace(logits=step(input_ids))
-
-
-def time_steps(runs, name, warmup=WARMUP, steps=STEPS, turn=1, untimed=0, batch=1) -> list[dict]:
-    """Synchronized decode steps of each ``(forward, model, cache)`` in ``runs``. With several runs
-    they take turns of ``turn`` consecutive steps each, the order reversed every other round (A B,
-    B A, ...), so that a drift of the process's host time falls on all of them alike.
-
-    For each run: ``ms``, the per-step milliseconds (CUDA events) of ``steps`` steps, and
-    ``host_us``, the time until each of those calls returned (the GPU idle when it began), after
-    ``warmup`` steps. The first ``untimed`` steps of each turn are run but not timed: a call right
-    after a switch finds the CPU caches holding the other model's objects and takes longer on the
-    host, which a model decoding alone does not pay (``benchmarks/RESULTS.md``, eighteenth
-    session). ``host_us_by_position[k]`` holds the host times of every turn's step ``k``, untimed
-    ones included (how many calls the host needs to recover), and ``turns`` the timed steps'
-    indices of each turn (for per-turn ratios)."""
-    if not 0 <= untimed < turn:
-        raise ValueError(f"untimed={untimed}: allowed 0 to turn - 1 = {turn - 1}")
-    rounds = steps_taken(steps, warmup, turn, untimed) // turn
-    tokens = [torch.zeros(batch, 1, dtype=torch.long, device=model.device) for _, model, _ in runs]
-    timed = [{"ms": [], "host_us": [], "host_us_by_position": [[] for _ in range(turn)], "turns": []} for _ in runs]
-    with torch.no_grad():
-        for round_ in range(rounds):
-            for index in range(len(runs)) if round_ % 2 == 0 else reversed(range(len(runs))):
-                forward, _, cache = runs[index]
-                record, indices = timed[index], []
-                for step in range(turn):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    called = time.perf_counter()
-                    logits = forward(input_ids=tokens[index], **{name: cache}).logits
-                    returned = time.perf_counter()
-                    end.record()
-                    end.synchronize()
-                    tokens[index] = logits[:, -1:].argmax(-1)
-                    if round_ * turn + step < warmup or len(record["ms"]) == steps:
-                        continue
-                    record["host_us_by_position"][step].append((returned - called) * 1e6)
-                    if step >= untimed:
-                        indices.append(len(record["ms"]))
-                        record["ms"].append(start.elapsed_time(end))
-                        record["host_us"].append((returned - called) * 1e6)
-                if indices:
-                    record["turns"].append(indices)
-    return timed
-
-
-def steps_taken(steps, warmup=WARMUP, turn=1, untimed=0) -> int:
-    """Decode steps :func:`time_steps` runs per run (for sizing a static cache)."""
-    return (math.ceil(warmup / turn) + math.ceil(steps / (turn - untimed))) * turn
 
 
 def kernel_category(kernel: str) -> str:
     """Coarse class of a CUDA kernel name in a decode step."""
     name = kernel.lower()
-    if any(k in name for k in ("_decode_split", "_decode_combine", "_append_token", "_pack_keys", "_pack_values")):
+    if any(k in name for k in ("_decode_split", "merge_splits", "_append_token", "_pack_keys", "_pack_values")):
         return "pnmix attention + cache update"
     if any(k in name for k in ("flash", "fmha", "attention", "sdpa", "index_copy", "index_put", "scatter")):
         return "bf16 attention + cache update"
@@ -470,12 +310,6 @@ def profile_steps(forward, model, cache, name, steps=5) -> dict:
           + "; ".join(f"{c}: {v['us_per_step']:.1f} us ({v['launches_per_step']:.0f})" for c, v in categories.items()),
           flush=True)  # fmt: skip
     return {"gpu_busy_us_per_step": busy, "categories": categories, "top_kernels": rows[:25]}
-
-
-def prefill(model, cache, name, batch=1, tokens=PROMPT):
-    prompt = torch.randint(0, 1000, (batch, tokens), device=model.device)
-    with torch.no_grad():
-        model(input_ids=prompt, logits_to_keep=1, **{name: cache})  # last-token logits only, as generate
 
 
 def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, batch=1,
@@ -568,8 +402,7 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
         unpatch_model(model)  # the attention's class before patch_model back (fused projections under --gemv)
 
     # Timing first, for every row, with no profiler yet in the process: once torch.profiler has
-    # traced CUDA activity, replaying a CUDA graph costs more host time (measured by
-    # benchmarks/diagnostics/graph_replay.py).
+    # traced CUDA activity, replaying a CUDA graph costs more host time.
     for variant, context, forward, cache, cache_bytes in runs():
         (timed,) = time_steps([(forward, model, cache)], name)
         rows.append(timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth,
@@ -608,8 +441,7 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
     :func:`time_model` times one row after the other, so a drift of the process's host time between
-    rows moves its ratios (by up to 0.66 ms of a ``reduce-overhead`` call in the seventeenth
-    session); here it falls on both.
+    rows moves its ratios (by up to 0.66 ms of a ``reduce-overhead`` call); here it falls on both.
 
     The variants are two model instances (three with ``rotation_ab``), so that the compiled steps live at once. Each compiled
     step has a code object of its own (:func:`own_forward`): one Dynamo entry, as after the reset that

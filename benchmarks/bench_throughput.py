@@ -63,7 +63,7 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
     ``GraphedDecodeStep`` instead of ``mode="reduce-overhead"``). ``full_run``: first decode
     ``GENERATED`` steps for real from the prefill (the cache grows, flushes included), timed after
     ``warmup`` of them. Returns per-length ms, the full run's figures and the peak memory."""
-    from bench_decode import cache_arg, fill_bf16, fill_pnmix, graphed_forward, prefill, time_steps
+    from common import cache_arg, fill_bf16, fill_pnmix, graphed_forward, prefill, time_steps
     from transformers import StaticCache
 
     from pnmix_patch import new_cache, patch_model, unpatch_model
@@ -182,7 +182,7 @@ def throughput(model, planner, device, methods, batches_of, graphed=False, full_
 
 def time_to_first_token(model, device, prompt_tokens=16384, repeats=3) -> dict:
     """Part 3: prefill time at a 16K prompt, batch 1 (median of ``repeats`` after one warm-up)."""
-    from bench_decode import cache_arg
+    from common import cache_arg
 
     from pnmix_patch import new_cache, patch_model, unpatch_model
     from pnmix_patch.cache import PNMixLayer
@@ -265,7 +265,7 @@ def main() -> None:
         path = Path(args.plot)
         plot(json.loads(path.read_text()), path.with_suffix(".png"))
         return
-    import bench_decode  # noqa: F401  (registers the "sdpa_gqa" attention)
+    import common  # noqa: F401  (registers the "sdpa_gqa" attention)
 
     from pnmix_patch.planner import CapacityPlanner
 

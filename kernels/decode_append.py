@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.quantize import quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import quantize_keys, quantize_values
 
 from .common import key_word_distances, launch_pdl, let_next_kernel_launch, nonempty, wait_for_previous_kernel
 from .pack_keys import pack_key_group

@@ -17,7 +17,7 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   per-channel key scale folds into q, the per-token value scale into p (one value group per
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
-  operand order (``pnmix_patch/quantize.py``), one byte per K column. Thread-owned key words
+  operand order (``pnmix_patch/reference/quantize.py``), one byte per K column. Thread-owned key words
   (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word
   of a 32-channel chunk holds all its registers' bits, rows g and g + 8 of its warp's two 16-token
   tiles (:func:`step_tokens` 128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
@@ -122,9 +122,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from pnmix_patch.quantize import key_word_distance
+from pnmix_patch.reference.quantize import key_word_distance
 
-from .decode_attention import _multiprocessors, _wave_filling_splits, split_and_merge
+from .common import multiprocessors, split_and_merge, wave_filling_splits
 
 NUM_WARPS = 4
 WARPS = gl.constexpr(NUM_WARPS)
@@ -248,7 +248,7 @@ def register_cap(group_size: int, ratio: int) -> int:
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
     """The 8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into
     (word row, byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (the words in
-    operand order, ``pnmix_patch/quantize.py``)."""
+    operand order, ``pnmix_patch/reference/quantize.py``)."""
 
     def split(bases):
         return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
@@ -258,7 +258,7 @@ def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
 
 
 def _key_owned_layouts(cols: int, tokens: int, distance: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
-    """For thread-owned key words (``pnmix_patch/quantize.py``, tiles ``distance`` tokens apart): the
+    """For thread-owned key words (``pnmix_patch/reference/quantize.py``, tiles ``distance`` tokens apart): the
     8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into (tile,
     tile pair, row half, lane row) and channel k into (chunk, half, lane column, byte): ``[T /
     distance, distance / 16, 2, 8, cols / 32, 2, 4, 4]``; and the layout of the step's words as
@@ -604,7 +604,7 @@ def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.const
                      SCORES: gl.constexpr):
     """Which bit of a byte each score row of step ``step`` reads (``[T, 1]`` in ``A8``) and the factor
     that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words: bit ``4 * tile + row half``
-    of the row's token (``pnmix_patch/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile);
+    of the row's token (``pnmix_patch/reference/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile);
     its codes read ``2^bit`` times too large. Else bit ``t % 8``, bit 7 being the sign bit of an 8-bit
     integer (-128)."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(1, A8))
@@ -804,7 +804,7 @@ def _decode_split_kernel_mma(
     h = (pid_bh % num_heads).to(gl.int64)
     dtype: gl.constexpr = query_ptr.dtype.element_ty
     W_LOW: gl.constexpr = D - W_HIGH
-    # Key levels: thread-owned words hold each pair of planes as 2-bit fields (pnmix_patch/quantize.py),
+    # Key levels: thread-owned words hold each pair of planes as 2-bit fields (pnmix_patch/reference/quantize.py),
     # so a level is two planes; byte quads are planes.
     LEVEL_PLANES: gl.constexpr = 2 if KEY_DISTANCE > 0 else 1
     SCORE_LEVELS: gl.constexpr = (SCORE_PLANES + LEVEL_PLANES - 1) // LEVEL_PLANES
@@ -1077,7 +1077,7 @@ def _decode_split_kernel_mma(
 
 
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
-    """Split count: :func:`~.decode_attention._wave_filling_splits` over 4 program slots per
+    """Split count: :func:`~.common.wave_filling_splits` over 4 program slots per
     multiprocessor: the most splits that fit in one wave if they fill it at least 95%, else the fewest
     that fill every slot in waves at least 95% full (``group_size`` is not used by this rule; earlier
     rules did, and the callers pass it).
@@ -1120,7 +1120,7 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     1 / 32K 19.3 (19.5, 21.8), batch 8 / 16K 60.3 (57.3, 59.4), batch 32 / 32K 388.9 (389.8, 397.5);
     batch 580 / 8K fills the GPU at any count (1,731.0); pnmix-2 batch 1 / 32K 24.8 (27.4, 28.5).
     """
-    return _wave_filling_splits(4 * _multiprocessors(query.device.index), kv_programs, max_groups)
+    return wave_filling_splits(4 * multiprocessors(query.device.index), kv_programs, max_groups)
 
 
 @functools.cache

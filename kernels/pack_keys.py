@@ -1,6 +1,6 @@
 """Triton key quantizer: per-channel min-max over G-token groups, packed into bit planes.
 
-Produces exactly :func:`pnmix_patch.quantize.quantize_keys` (same shapes and dtypes,
+Produces exactly :func:`pnmix_patch.reference.quantize.quantize_keys` (same shapes and dtypes,
 bit-identical codes, scales and zeros), so the decode kernel and the PyTorch
 reference read the same cache. Used when the residual buffer is flushed.
 
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.quantize import quantize_keys, scale_dtype_for
+from pnmix_patch.reference.quantize import quantize_keys, scale_dtype_for
 
 from .common import encode, key_word_distances, minmax_scale_zero, nonempty, transpose_byte_quads
 

@@ -1,6 +1,6 @@
 """Triton value quantizer: per-token min-max over groups of channels, packed into bit planes and 2-bit fields.
 
-Produces exactly :func:`pnmix_patch.quantize.quantize_values` (same shapes and dtypes,
+Produces exactly :func:`pnmix_patch.reference.quantize.quantize_values` (same shapes and dtypes,
 bit-identical codes, scales and zeros). Used when the residual buffer is flushed.
 
 One program quantizes ``BLOCK_T`` tokens of one (sequence, KV head). A token's
@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.quantize import FIELD_SIGN_FLIP as _FIELD_SIGN_FLIP
-from pnmix_patch.quantize import check_token_block, quantize_values, scale_dtype_for
+from pnmix_patch.reference.quantize import FIELD_SIGN_FLIP as _FIELD_SIGN_FLIP
+from pnmix_patch.reference.quantize import check_token_block, quantize_values, scale_dtype_for
 
 from .common import encode, minmax_scale_zero, transpose_byte_quads
 

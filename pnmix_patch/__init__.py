@@ -2,14 +2,14 @@
 
 One line, ``patch_model(model)``, rewrites the attention of Llama, Mistral, Qwen2
 and Qwen3 models so that their KV cache holds keys at ~2.26 bits (pair-norm guided
-mixed precision) and values at 2 bits. See ``README.md`` and ``shared/PNMIX_SPEC.md``.
+mixed precision) and values at 2 bits. See ``README.md`` and ``docs/method.md``.
 """
 
-from .api import is_patched, new_cache, patch_model, unpatch_model
+from .api import is_patched, new_cache, patch_gemv, patch_model, unpatch_gemv, unpatch_model
 from .cache import PNMixCache, PNMixLayer
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .graphed_decode import GraphedDecodeStep
-from .linear import GemvLinear, patch_gemv, unpatch_gemv
+from .linear import GemvLinear
 from .patches import SUPPORTED_MODEL_TYPES
 from .static_cache import PNMixStaticCache, PNMixStaticLayer
 

@@ -1,4 +1,5 @@
-"""``patch_model`` / ``unpatch_model``: the one line added to an existing script.
+"""The public API: ``patch_model`` / ``unpatch_model`` (the one line added to an existing script),
+``new_cache``, and ``patch_gemv`` / ``unpatch_gemv`` (one-token linear products through ``pnmix::gemv``).
 
 Patching a built model instance changes the class of some of its modules (:mod:`pnmix_patch.mixins`:
 the model's classes are untouched, and a patched model deep-copies and pickles patched):
@@ -19,6 +20,10 @@ the model's classes are untouched, and a patched model deep-copies and pickles p
    registered mask function, left-padded batches would silently get no mask).
 
 ``unpatch_model`` gives every module its class back.
+
+``patch_gemv`` turns every ``torch.nn.Linear`` into a :class:`~pnmix_patch.linear.GemvLinear` and each gated
+MLP of a supported architecture into a ``Gemv<its class>`` (:class:`~pnmix_patch.linear.GemvGatedMLP`), by
+the same class swap; it is independent of the cache and serves unpatched models too.
 """
 
 from __future__ import annotations
@@ -32,13 +37,15 @@ import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.activations import SiLUActivation
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import PNMixAttention
 from .cache import PNMixCache
 from .config import PNMixConfig, resolve_config
+from .linear import GemvGatedMLP, GemvLinear
 from .mixins import RuntimeMixin, mixed_class, set_classes, unmixed_class
-from .patches import get_patch
+from .patches import PATCHES, get_patch
 from .patches.base import ArchitecturePatch
 from .static_cache import PNMixStaticCache
 
@@ -52,7 +59,7 @@ AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 class PatchState:
     """What :func:`patch_model` keeps on the patched decoder (``_pnmix_state``)."""
 
-    config: PNMixConfig
+    pnmix_config: PNMixConfig
     adapter: ArchitecturePatch
     attn_implementation: str  # the model's own, restored by unpatch_model
     static_cache: PNMixStaticCache | None = None  # reused by generate(cache_implementation="static")
@@ -107,13 +114,13 @@ class PNMixDecoder(RuntimeMixin):
         return args
 
 
-def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -> torch.nn.Module:
+def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix-1") -> torch.nn.Module:
     """Rewrite ``model``'s attention into PN-Mix attention, in place.
 
     Args:
         model: a transformers Llama, Mistral, Qwen2 or Qwen3 model (``*ForCausalLM`` or
             the bare decoder).
-        config: a :class:`~pnmix_patch.PNMixConfig` or a preset name
+        pnmix_config: a :class:`~pnmix_patch.PNMixConfig` or a preset name
             (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"fp16"``).
 
     Returns:
@@ -126,14 +133,14 @@ def patch_model(model: torch.nn.Module, config: PNMixConfig | str = "pnmix-1") -
             with a ``forward`` set on the instance (other than accelerate's hooks, which keep running,
             see :func:`~pnmix_patch.mixins.set_classes`).
     """
-    pnmix_config = resolve_config(config)
+    pnmix_config = resolve_config(pnmix_config)
     model_config = model.config.get_text_config(decoder=True)
     adapter = get_patch(model_config.model_type)
     adapter.check_config(model_config)
     _check_shapes_and_dtype(model, model_config, pnmix_config)
     state = patch_state(model)
     if state is not None:
-        state.config = pnmix_config
+        state.pnmix_config = pnmix_config
         return model
 
     attention_type = adapter.attention_type()
@@ -173,7 +180,7 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:
-    """The state :func:`patch_model` keeps for ``model`` (its config: ``.config``), None if not patched."""
+    """The state :func:`patch_model` keeps for ``model`` (its PN-Mix config: ``.pnmix_config``), None if not patched."""
     try:
         decoder = _decoder_of(model)
     except ValueError:
@@ -201,8 +208,8 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
     if state is None:
         raise ValueError("the model is not patched: call pnmix_patch.patch_model(model) first")
     if static:
-        return PNMixStaticCache(model.config, state.config, state.adapter.pairing, max_cache_len, _layer_devices(model))
-    return PNMixCache(model.config, state.config, state.adapter.pairing, max_cache_len)
+        return PNMixStaticCache(model.config, state.pnmix_config, state.adapter.pairing, max_cache_len, _layer_devices(model))
+    return PNMixCache(model.config, state.pnmix_config, state.adapter.pairing, max_cache_len)
 
 
 def _layer_devices(model: torch.nn.Module) -> list[torch.device] | None:
@@ -246,9 +253,9 @@ def _pnmix_cache_for(cache, use_cache, decoder):
     if isinstance(cache, PNMixCache):
         return cache
     if cache is None:
-        return PNMixCache(model_config, state.config, state.adapter.pairing) if use_cache else None
+        return PNMixCache(model_config, state.pnmix_config, state.adapter.pairing) if use_cache else None
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:
-        return PNMixCache(model_config, state.config, state.adapter.pairing)
+        return PNMixCache(model_config, state.pnmix_config, state.adapter.pairing)
     if type(cache) is StaticCache and not cache.is_initialized:
         return _reusable_static_cache(cache.layers[0].max_cache_len, decoder)
     if isinstance(cache, Cache):
@@ -265,10 +272,69 @@ def _reusable_static_cache(max_cache_len: int, decoder) -> PNMixStaticCache:
     so a compiled decode step and its CUDA graphs are reused), or a new one."""
     state = decoder._pnmix_state
     cache, devices = state.static_cache, _layer_devices(decoder)
-    if (cache is None or cache.pnmix_config != state.config or cache.layers[0].max_cache_len != max_cache_len
+    if (cache is None or cache.pnmix_config != state.pnmix_config or cache.layers[0].max_cache_len != max_cache_len
             or cache.layer_devices != (devices or [None] * len(cache.layers))):  # fmt: skip
-        cache = PNMixStaticCache(decoder.config, state.config, state.adapter.pairing, max_cache_len, devices)
+        cache = PNMixStaticCache(decoder.config, state.pnmix_config, state.adapter.pairing, max_cache_len, devices)
         state.static_cache = cache
     else:
         cache.reset()
     return cache
+
+
+def _gated_mlp_class(model: torch.nn.Module) -> type | None:
+    """The gated MLP class of ``model``'s architecture, if it is a supported one."""
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
+    adapter = PATCHES.get(getattr(text_config, "model_type", None))
+    return getattr(adapter.module, adapter.mlp_class) if adapter is not None else None
+
+
+def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
+    """Route the one-token products of ``model``'s ``torch.nn.Linear`` layers to ``torch.ops.pnmix.gemv``,
+    and fuse those that read the same token.
+
+    Args:
+        model: any module; every submodule whose class is exactly ``torch.nn.Linear`` becomes a
+            :class:`GemvLinear` (in a transformers decoder: the attention and MLP projections and the
+            LM head). In a Llama, Mistral, Qwen2 or Qwen3 model with a SiLU activation, each MLP also
+            becomes a ``Gemv<MLP class>`` (:class:`GemvGatedMLP`): gate, up and SiLU in one launch.
+            PN-Mix's attention (:func:`~pnmix_patch.patch_model`) reads q, k and v in one launch.
+
+    Returns:
+        The same model. Patching again changes nothing.
+
+    Raises:
+        ValueError: the model has no ``torch.nn.Linear`` layer (nor a patched one); a layer to patch has a
+            ``forward`` set on the instance (other than accelerate's hooks, which keep running, see
+            :func:`~pnmix_patch.mixins.set_classes`). Nothing is changed then.
+
+    The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
+    ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
+    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A model patched
+    by this function (and :func:`~pnmix_patch.patch_model`) deep-copies and pickles (``torch.save(model)``),
+    and loads patched where ``pnmix_patch`` imports. Its ``state_dict`` and ``save_pretrained`` are unchanged.
+    Layers hooked by accelerate (CPU offload) before patching keep their hooks, around the new forward.
+    """
+    modules = list(model.modules())
+    if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
+        raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
+                         "(subclasses, such as quantized linear layers, are left alone)")
+    mlp_class = _gated_mlp_class(model)
+    gated = [m for m in modules if type(m) is mlp_class and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation))]
+    set_classes([(m, GemvLinear) for m in modules if type(m) is torch.nn.Linear]
+                + [(m, mixed_class(GemvGatedMLP, mlp_class)) for m in gated])  # fmt: skip
+    return model
+
+
+def unpatch_gemv(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class.
+
+    Raises:
+        ValueError: a patched layer has since been given a ``forward`` on the instance (see
+            :func:`~pnmix_patch.mixins.set_classes`); nothing is changed then."""
+
+    def own_class(module):
+        return torch.nn.Linear if type(module) is GemvLinear else unmixed_class(type(module), GemvGatedMLP)
+
+    set_classes((module, cls) for module in model.modules() if (cls := own_class(module)) is not None)
+    return model

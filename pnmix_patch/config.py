@@ -184,10 +184,10 @@ PRESETS: dict[str, PNMixConfig] = {
 }
 
 
-def resolve_config(config: "PNMixConfig | str") -> PNMixConfig:
+def resolve_config(pnmix_config: "PNMixConfig | str") -> PNMixConfig:
     """Turn a preset name or a :class:`PNMixConfig` into a config."""
-    if isinstance(config, PNMixConfig):
-        return config
-    if isinstance(config, str) and config in PRESETS:
-        return PRESETS[config]
-    raise ValueError(f"config={config!r} is not a PNMixConfig or a preset name: allowed presets {sorted(PRESETS)}")
+    if isinstance(pnmix_config, PNMixConfig):
+        return pnmix_config
+    if isinstance(pnmix_config, str) and pnmix_config in PRESETS:
+        return PRESETS[pnmix_config]
+    raise ValueError(f"pnmix_config={pnmix_config!r} is not a PNMixConfig or a preset name: allowed presets {sorted(PRESETS)}")

@@ -1,4 +1,4 @@
-"""``patch_gemv`` / ``unpatch_gemv``: a model's one-token linear products through ``pnmix::gemv``.
+"""Linear layers whose one-token products run ``pnmix::gemv`` (:func:`pnmix_patch.patch_gemv` installs them).
 
 A batch-1 decode step reads every weight once, and the products' speed decides most of its time
 once the cache is small (at 32K tokens PN-Mix's step reads 0.62 GB of cache against 15.0 GB of
@@ -32,11 +32,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.module import _global_forward_hooks, _global_forward_pre_hooks
-from transformers.activations import SiLUActivation
 
 from .kernels.gemv import MAX_STACKED, gemv, gemv_stacked
 from .kernels.gemv_swiglu import gemv_swiglu
-from .mixins import RuntimeMixin, mixed_class, set_classes, unmixed_class
+from .mixins import RuntimeMixin
 
 
 def _one_token(x: torch.Tensor, linear: torch.nn.Linear) -> bool:
@@ -99,64 +98,3 @@ class GemvGatedMLP(RuntimeMixin):
             return super().forward(x)
         hidden = gemv_swiglu(x.reshape(-1), self.gate_proj.weight, self.up_proj.weight, self.gate_proj.bias, self.up_proj.bias)
         return self.down_proj(hidden.view(*x.shape[:-1], -1))
-
-
-def _gated_mlp_class(model: torch.nn.Module) -> type | None:
-    """The gated MLP class of ``model``'s architecture, if it is a supported one."""
-    from .patches import PATCHES  # here, not at import: the adapters import this module
-
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else None
-    adapter = PATCHES.get(getattr(text_config, "model_type", None))
-    return getattr(adapter.module, adapter.mlp_class) if adapter is not None else None
-
-
-def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the one-token products of ``model``'s ``torch.nn.Linear`` layers to ``torch.ops.pnmix.gemv``,
-    and fuse those that read the same token.
-
-    Args:
-        model: any module; every submodule whose class is exactly ``torch.nn.Linear`` becomes a
-            :class:`GemvLinear` (in a transformers decoder: the attention and MLP projections and the
-            LM head). In a Llama, Mistral, Qwen2 or Qwen3 model with a SiLU activation, each MLP also
-            becomes a ``Gemv<MLP class>`` (:class:`GemvGatedMLP`): gate, up and SiLU in one launch.
-            PN-Mix's attention (:func:`~pnmix_patch.patch_model`) reads q, k and v in one launch.
-
-    Returns:
-        The same model. Patching again changes nothing.
-
-    Raises:
-        ValueError: the model has no ``torch.nn.Linear`` layer (nor a patched one); a layer to patch has a
-            ``forward`` set on the instance (other than accelerate's hooks, which keep running, see
-            :func:`~pnmix_patch.mixins.set_classes`). Nothing is changed then.
-
-    The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
-    ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
-    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A model patched
-    by this function (and :func:`~pnmix_patch.patch_model`) deep-copies and pickles (``torch.save(model)``),
-    and loads patched where ``pnmix_patch`` imports. Its ``state_dict`` and ``save_pretrained`` are unchanged.
-    Layers hooked by accelerate (CPU offload) before patching keep their hooks, around the new forward.
-    """
-    modules = list(model.modules())
-    if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
-        raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
-                         "(subclasses, such as quantized linear layers, are left alone)")
-    mlp_class = _gated_mlp_class(model)
-    gated = [m for m in modules if type(m) is mlp_class and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation))]
-    set_classes([(m, GemvLinear) for m in modules if type(m) is torch.nn.Linear]
-                + [(m, mixed_class(GemvGatedMLP, mlp_class)) for m in gated])  # fmt: skip
-    return model
-
-
-def unpatch_gemv(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch_gemv`: every :class:`GemvLinear` layer is a ``torch.nn.Linear`` again, every MLP of its own class.
-
-    Raises:
-        ValueError: a patched layer has since been given a ``forward`` on the instance (see
-            :func:`~pnmix_patch.mixins.set_classes`); nothing is changed then."""
-
-    def own_class(module):
-        return torch.nn.Linear if type(module) is GemvLinear else unmixed_class(type(module), GemvGatedMLP)
-
-    set_classes((module, cls) for module in model.modules() if (cls := own_class(module)) is not None)
-    return model

@@ -71,7 +71,7 @@ def model_config(model) -> object:
         fields = dict(MODEL_SHAPES[model])
         return AutoConfig.for_model(fields.pop("model_type"), **fields)
     if model == "smollm2":
-        from .models import smollm2_path
+        from .eval.models import smollm2_path
 
         model = str(smollm2_path())
     if model.endswith(".gguf"):

@@ -43,12 +43,12 @@ import warnings
 
 import torch
 
-from .attention import chunk_validity
+from .reference.attention import chunk_validity
 from .cache import _STATE, PNMixCache, PNMixLayer
 from .config import PNMixConfig
 from .kernels.decode_append import decode_append, decode_rotate_append
 from .kernels.decode_attention import decode_attention
-from .quantize import channel_order
+from .reference.quantize import channel_order
 
 _STATIC_STATE = (*_STATE, "order", "overflowed", "arrivals")
 _DECODE_STATE = (
@@ -109,24 +109,24 @@ class PNMixStaticLayer(PNMixLayer):
 
     is_compileable = True
 
-    def __init__(self, config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
+    def __init__(self, pnmix_config: PNMixConfig, pairing: str = "half", max_cache_len: int | None = None):
         if not isinstance(max_cache_len, int) or max_cache_len <= 0:
             raise ValueError(f"a static PN-Mix cache needs max_cache_len, a positive int; got {max_cache_len!r}")
-        if config.reselection != "prefill":
+        if pnmix_config.reselection != "prefill":
             raise ValueError(
                 f"a static PN-Mix cache selects once per sequence (reselection='prefill'); got "
-                f"reselection={config.reselection!r}: use the dynamic PNMixCache for per-group re-selection"
+                f"reselection={pnmix_config.reselection!r}: use the dynamic PNMixCache for per-group re-selection"
             )
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
-        super().__init__(config, pairing, max_cache_len)
+        super().__init__(pnmix_config, pairing, max_cache_len)
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill
         self.stack: _LayerStack | None = None  # set by PNMixStaticCache, with the layer's slot in it
         self.stack_index = 0
         self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
         self._storage: dict[str, torch.Tensor] = {}  # the layer's state tensors (_STATIC_STATE), once allocated
-        # The decode step reads this bool, not self.config: every layer holds the same config, and
+        # The decode step reads this bool, not self.pnmix_config: every layer holds the same config, and
         # Dynamo checks such a shared object on every call with one Python "is" test per layer.
-        self.midpoint_correction = config.midpoint_correction
+        self.midpoint_correction = pnmix_config.midpoint_correction
 
     @property
     def stacked(self) -> bool:
@@ -145,11 +145,11 @@ class PNMixStaticLayer(PNMixLayer):
     # ----------------------------------------------------------------- set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        cfg = self.config
-        after_sinks = max(0, self.max_cache_len - cfg.sink_tokens)
-        if cfg.quantize:
-            flushes = max(0, after_sinks - 1) // cfg.residual_tokens
-            self._reserve_groups(flushes * cfg.residual_tokens // cfg.key_group_size)
+        pnmix_config = self.pnmix_config
+        after_sinks = max(0, self.max_cache_len - pnmix_config.sink_tokens)
+        if pnmix_config.quantize:
+            flushes = max(0, after_sinks - 1) // pnmix_config.residual_tokens
+            self._reserve_groups(flushes * pnmix_config.residual_tokens // pnmix_config.key_group_size)
         else:
             shape = (self.batch_size, self.num_heads, after_sinks, self.head_dim)
             self.residual_keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -307,8 +307,8 @@ class PNMixStaticCache(PNMixCache):
     """A :class:`~pnmix_patch.cache.PNMixCache` of :class:`PNMixStaticLayer` s: compileable.
 
     Args:
-        model_config: the model's ``PretrainedConfig``.
-        config: a :class:`~pnmix_patch.PNMixConfig` or preset name.
+        config: the model's ``PretrainedConfig``.
+        pnmix_config: a :class:`~pnmix_patch.PNMixConfig` or preset name.
         pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
         max_cache_len: positions to preallocate for (prompt plus generated tokens); required.
         layer_devices: the device each decoder layer runs on (:func:`~pnmix_patch.new_cache`
@@ -323,11 +323,11 @@ class PNMixStaticCache(PNMixCache):
 
     layer_class = PNMixStaticLayer
 
-    def __init__(self, model_config, config: PNMixConfig | str = "pnmix-1", pairing: str = "half",
+    def __init__(self, config, pnmix_config: PNMixConfig | str = "pnmix-1", pairing: str = "half",
                  max_cache_len: int | None = None, layer_devices=None):  # fmt: skip
         if max_cache_len is None:
             raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
-        super().__init__(model_config, config, pairing, max_cache_len)
+        super().__init__(config, pnmix_config, pairing, max_cache_len)
         devices = [None] * len(self.layers) if layer_devices is None else [None if d is None else torch.device(d) for d in layer_devices]
         if len(devices) != len(self.layers):
             raise ValueError(f"layer_devices names {len(devices)} devices; the model has {len(self.layers)} layers")

@@ -198,9 +198,9 @@ def test_memory_report_bits_per_element(preset, low, high, head_dim):
     assert low <= round(report["key_bits_per_element"], 2) <= high
     layer = cache.layers[0]
     codes = layer.key_codes_high.numel() + layer.key_codes_low.numel()
-    elements = 2 * 2 * layer.group_capacity * layer.config.key_group_size * head_dim
+    elements = 2 * 2 * layer.group_capacity * layer.pnmix_config.key_group_size * head_dim
     # the packed key codes take exactly the nominal code bits: nothing dequantized is held
-    assert codes * 32 == pytest.approx(elements * (layer.config.nominal_key_bits(head_dim) - 32 / layer.config.key_group_size))
+    assert codes * 32 == pytest.approx(elements * (layer.pnmix_config.nominal_key_bits(head_dim) - 32 / layer.pnmix_config.key_group_size))
     value_bits = 2 + 32 / min(128, head_dim)
     assert report["value_bits_per_element"] == pytest.approx(value_bits)
     parts = ("sinks", "residual", "packed_keys", "packed_values", "key_scales_zeros", "value_scales_zeros", "masks", "lengths")

@@ -5,8 +5,8 @@ import torch
 
 from conftest import tiny_model
 from pnmix_patch import PRESETS, PNMixLayer, patch_model, unpatch_model
-from pnmix_patch.quantize import dequantize_keys, quantize_keys
-from pnmix_patch.selection import group_channel_masks, pair_norms
+from pnmix_patch.reference.quantize import dequantize_keys, quantize_keys
+from pnmix_patch.reference.selection import group_channel_masks, pair_norms
 
 HEADS, QUERY_HEADS, D, G, SINKS = 2, 4, 32, 128, 32
 PER_GROUP_PNMIX = PRESETS["pnmix-1"].replace(reselection="per_group", name="pnmix-1-per-group")

@@ -6,8 +6,8 @@ from transformers import pipeline
 
 from pnmix_patch import patch_model, unpatch_model
 from pnmix_patch.cli import main
-from pnmix_patch.fidelity import reference_logits, teacher_force
-from pnmix_patch.models import hamlet_text, load_model
+from pnmix_patch.eval.fidelity import reference_logits, teacher_force
+from pnmix_patch.eval.models import hamlet_text, load_model
 
 
 @pytest.fixture(scope="module")

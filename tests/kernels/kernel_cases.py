@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pnmix_patch.quantize import channel_order, quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import channel_order, quantize_keys, quantize_values
 
 # name: (pair ratio r, G, b_H, b_L); "r0" selects no pair (C_hi = 0).
 LAYOUTS = {

@@ -75,7 +75,7 @@ KERNELS = {
     "gemv_swiglu": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=512, EVEN_K=True)"),
     "gemv-masked": ("pnmix_patch.kernels.gemv", "_gemv_kernel", {}, "dict(HAS_BIAS=False, BLOCK_K=1024, EVEN_K=False)"),
     "gemv_swiglu-masked": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=False, BLOCK_K=512, EVEN_K=False)"),
-    "combine": ("pnmix_patch.kernels.decode_attention", "_decode_combine_kernel",
+    "combine": ("pnmix_patch.kernels.common", "merge_splits_kernel",
                 {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "overflow_ptr": "*i1"},
                 "dict(D=128, BLOCK_D=128, BLOCK_S=64, HAS_OVERFLOW=True)"),
     "append": ("pnmix_patch.kernels.decode_append", "_append_token_kernel", APPEND_POINTERS,

@@ -11,7 +11,7 @@ from pnmix_patch.kernels.decode_append import (
     rotate_half_reference,
     triton_decode_append,
 )
-from pnmix_patch.quantize import scale_dtype_for
+from pnmix_patch.reference.quantize import scale_dtype_for
 
 # The interpreter evaluates masked-off lanes with numpy, which warns about inf - inf or 1 / 0.
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")

@@ -4,8 +4,9 @@ import pytest
 import torch
 from kernel_cases import LAYOUTS, decode_inputs, mask_of, seeded
 
-from pnmix_patch.kernels.decode_attention import _wave_filling_splits, decode_attention_reference, triton_decode_attention
-from pnmix_patch.quantize import dequantize_keys, dequantize_values
+from pnmix_patch.kernels.common import wave_filling_splits
+from pnmix_patch.kernels.decode_attention import decode_attention_reference, triton_decode_attention
+from pnmix_patch.reference.quantize import dequantize_keys, dequantize_values
 
 # The interpreter evaluates masked-off lanes with numpy, which warns about inf - inf or 1 / 0.
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")
@@ -99,7 +100,7 @@ def test_split_count_fills_one_wave_or_whole_waves(kv_programs, max_chunks, spli
     when they fill 95% of it (8 KV programs: 66; 64: 8, not the 16 of two full waves), else the fewest
     whose waves are 95% full (160: 3 would fill 91% of one wave, 13 fill four waves to 98%); never
     more than the chunks; an empty batch (0 programs) gets the old rule's answer, no error."""
-    assert _wave_filling_splits(528, kv_programs, max_chunks) == splits
+    assert wave_filling_splits(528, kv_programs, max_chunks) == splits
 
 
 def test_decode_empty_segments():

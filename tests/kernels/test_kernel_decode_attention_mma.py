@@ -14,8 +14,8 @@ from kernel_cases import LAYOUTS, decode_inputs, num_high, seeded
 
 from pnmix_patch.kernels import decode_attention_mma as mma
 from pnmix_patch.kernels.decode_attention import decode_attention_reference
-from pnmix_patch import quantize
-from pnmix_patch.quantize import dequantize_keys, pack_bits, planes_to_fields, transpose_byte_quads, values_to_operand_order
+from pnmix_patch.reference import quantize
+from pnmix_patch.reference.quantize import dequantize_keys, pack_bits, planes_to_fields, transpose_byte_quads, values_to_operand_order
 
 MASK = 0xFFFFFFFF
 

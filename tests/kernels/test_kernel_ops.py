@@ -7,7 +7,7 @@ from kernel_cases import LAYOUTS, decode_inputs, mask_of, num_high, random_order
 from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.quantize import quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import quantize_keys, quantize_values
 
 
 @pytest.mark.parametrize("layout", ["pnmix-2", "kivi-2", "r0"])

@@ -6,7 +6,7 @@ from kernel_cases import LAYOUTS, WIDE_LAYOUTS, mask_of, num_high, random_order,
 
 from pnmix_patch.kernels.pack_keys import triton_pack_keys
 from pnmix_patch.kernels.pack_values import triton_pack_values
-from pnmix_patch.quantize import quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import quantize_keys, quantize_values
 
 # The interpreter evaluates masked-off lanes and NaN inputs with numpy, which warns.
 pytestmark = pytest.mark.filterwarnings("ignore:.* encountered in:RuntimeWarning")

@@ -1,6 +1,5 @@
 """Every supported architecture, patched end to end on tiny random models."""
 
-import pytest
 import torch
 from conftest import output_cache, tiny_model
 

@@ -3,14 +3,14 @@
 Two entries:
 
 - the registered model type, for the ``lm_eval`` command line (this module must be
-  imported first, which ``pnmix-lm-eval`` / ``python -m pnmix_patch.lm_eval_model`` do)::
+  imported first, which ``pnmix-lm-eval`` / ``python -m pnmix_patch.eval.lm_eval_model`` do)::
 
       pnmix-lm-eval --model pnmix --model_args pretrained=smollm2,preset=pnmix-1 \\
-          --include_path pnmix_patch/tasks --tasks gsm8k_local_8shot
+          --include_path pnmix_patch/eval/tasks --tasks gsm8k_local_8shot
 
   ``pretrained`` is ``smollm2`` (the embedded model), a ``.gguf`` file, a local model
   folder, or a hub id where a hub is reachable; it is loaded with
-  :func:`pnmix_patch.models.load_model` and patched with :func:`pnmix_patch.patch_model`.
+  :func:`pnmix_patch.eval.models.load_model` and patched with :func:`pnmix_patch.patch_model`.
 
 - :func:`wrap_model`, for a model that the caller already built (and possibly patched)::
 
@@ -43,7 +43,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .api import is_patched, patch_model, patch_state
+from ..api import is_patched, patch_model, patch_state
 from .models import DEFAULT_MODEL, load_model
 
 MODEL_NAME = "pnmix"
@@ -161,7 +161,7 @@ class PNMixLM(HFLM):
         finally:
             hf_logger.setLevel(level)
         self.pretrained = name
-        self.preset = patch_state(model).config
+        self.pnmix_config = patch_state(model).pnmix_config
         if accelerator is not None:
             self.accelerator = accelerator
             self._device = accelerator.device
@@ -223,6 +223,6 @@ def cli_evaluate() -> None:
 
 
 if __name__ == "__main__":
-    from pnmix_patch.lm_eval_model import cli_evaluate as _registered_cli
+    from pnmix_patch.eval.lm_eval_model import cli_evaluate as _registered_cli
 
     _registered_cli()

@@ -1,4 +1,4 @@
-"""Tests of ``pnmix_patch/fidelity.py``'s helpers (its teacher-forced comparisons are exercised by
+"""Tests of ``pnmix_patch/eval/fidelity.py``'s helpers (its teacher-forced comparisons are exercised by
 ``test_evaluation.py`` and ``test_real_model.py``)."""
 
 import os
@@ -10,7 +10,7 @@ def test_progress_bars_follow_tqdm_environment():
     """``progress=True`` leaves tqdm's own settings in force (``TQDM_DISABLE=1`` hides the bar, as tqdm
     reads it at import); ``progress=False`` hides it whatever they are."""
     code = (
-        "from pnmix_patch.fidelity import progress_bar; "
+        "from pnmix_patch.eval.fidelity import progress_bar; "
         "print(progress_bar(range(2), progress=True).disable, progress_bar(range(2), progress=False).disable)"
     )
     for setting, shown in (("1", "True True"), ("", "False True")):

@@ -1,4 +1,4 @@
-"""Reference quantizers and bit-plane packing (pnmix_patch.quantize)."""
+"""Reference quantizers and bit-plane packing (pnmix_patch.reference.quantize)."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pnmix_patch.quantize import (
+from pnmix_patch.reference.quantize import (
     channel_order,
     decode,
     dequantize_keys,

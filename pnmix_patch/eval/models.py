@@ -62,5 +62,5 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
 
 
 def hamlet_text() -> str:
-    """The Hamlet excerpt of the spec's fidelity setting (``pnmix_patch/data``)."""
+    """The Hamlet excerpt of the spec's fidelity setting (``pnmix_patch/eval/data``)."""
     return (Path(__file__).parent / "data" / "hamlet_excerpt.txt").read_text(encoding="utf-8")

@@ -1,6 +1,6 @@
 """Teacher-forced fidelity: how far a quantized cache moves the next-token distribution.
 
-The setting of ``shared/PNMIX_SPEC.md`` section 7: a text is prefilled (exact
+The method's reference setting (``docs/fidelity.md``): a text is prefilled (exact
 attention), then the following tokens are fed one at a time through the cache; the
 logits of every decode step are compared with one full-precision forward pass over
 the whole text (top-1 agreement, mean KL(full || quantized), perplexity).
@@ -13,8 +13,8 @@ import math
 import torch
 from tqdm.auto import tqdm
 
-from .api import new_cache, patch_model, unpatch_model
-from .config import PNMixConfig
+from ..api import new_cache, patch_model, unpatch_model
+from ..config import PNMixConfig
 
 
 def progress_bar(iterable=None, *, progress: bool = True, **kwargs) -> tqdm:
@@ -34,7 +34,7 @@ def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def teacher_force(
     model,
     input_ids: torch.Tensor,
-    config: PNMixConfig | str,
+    pnmix_config: PNMixConfig | str,
     prefill: int,
     reference: torch.Tensor,
     progress: bool = True,
@@ -45,7 +45,7 @@ def teacher_force(
     Args:
         model: an unpatched model (it is patched for the run and unpatched after).
         input_ids: ``[1, T]`` token ids.
-        config: PN-Mix config or preset.
+        pnmix_config: PN-Mix config or preset.
         prefill: tokens processed in the first (exact-attention) forward.
         reference: :func:`reference_logits` of ``input_ids``.
         per_step: also return the per-step diagnostics (below).
@@ -58,12 +58,12 @@ def teacher_force(
         ``reference_top2`` (full precision's two most likely ``[[id, probability], ...]``) and
         ``step_top2`` (the same under the cache).
     """
-    patch_model(model, config)
+    patch_model(model, pnmix_config)
     try:
         cache = new_cache(model)
         model(input_ids[:, :prefill], cache=cache, use_cache=True)
         logits = []
-        for position in progress_bar(range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(config, "name", config)), leave=False):
+        for position in progress_bar(range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(pnmix_config, "name", pnmix_config)), leave=False):
             step = model(input_ids[:, position : position + 1], cache=cache, use_cache=True)
             logits.append(step.logits[:, -1].float())
         memory = cache.memory_report()

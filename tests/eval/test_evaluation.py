@@ -1,4 +1,4 @@
-"""Fidelity evaluation (pnmix_patch.evaluation and ``pnmix eval``): methods, metrics, sweep, plots."""
+"""Fidelity evaluation (pnmix_patch.eval.evaluation and ``pnmix eval``): methods, metrics, sweep, plots."""
 
 import json
 import math
@@ -11,7 +11,7 @@ from conftest import tiny_model
 from pnmix_patch import PRESETS, is_patched, new_cache, patch_model, unpatch_model
 from pnmix_patch.cli import main
 from pnmix_patch.cache import _STATE, PNMixLayer
-from pnmix_patch.evaluation import (
+from pnmix_patch.eval.evaluation import (
     METHOD_SETS,
     METHODS,
     SWEEP_METHODS,
@@ -35,7 +35,7 @@ from pnmix_patch.evaluation import (
     sweep_config,
     wilson_interval,
 )
-from pnmix_patch.fidelity import reference_logits, teacher_force
+from pnmix_patch.eval.fidelity import reference_logits, teacher_force
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_long_output_fidelity_resumes_measured_prompts():
 
 
 def test_run_evaluation_adds_prompts_without_measuring_the_old_ones_again(tmp_path, monkeypatch):
-    from pnmix_patch import evaluation
+    from pnmix_patch.eval import evaluation
 
     model = tiny_model("llama")
     generated, forced = [], []
@@ -206,7 +206,7 @@ def test_plot_results_writes_the_pareto_and_criteria_pngs(tmp_path):
 
 
 def test_long_output_points_average_the_prompts_every_point_has():
-    from pnmix_patch.evaluation import PROMPTS, _sweep_points, common_prompts
+    from pnmix_patch.eval.evaluation import PROMPTS, _sweep_points, common_prompts
 
     first, second = list(PROMPTS)[:2]
     prompt = {"steps": 100, "key_bits": 2.25}
@@ -429,7 +429,7 @@ def test_eval_quick_command_on_the_real_model(tmp_path, capsys):
     # GSM8K through lm-eval: the tiny task's first 2 problems, per-problem results, paired flips
     gsm8k = results["gsm8k"]["methods"]
     assert set(gsm8k) == {"fp16", "kivi-2", "pnmix-1", "kitty"}
-    for name, record in gsm8k.items():
+    for record in gsm8k.values():
         assert [p["doc_id"] for p in record["problems"]] == [0, 1]
         matches = [p["exact_match"]["flexible-extract"] for p in record["problems"]]
         assert record["filters"]["flexible-extract"]["correct"] == sum(matches)

@@ -1,4 +1,4 @@
-"""Pair selection at prefill (pnmix_patch.selection) on hand-built inputs with known answers."""
+"""Pair selection at prefill (pnmix_patch.reference.selection) on hand-built inputs with known answers."""
 
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pnmix_patch.config import PRESETS
-from pnmix_patch.selection import (
+from pnmix_patch.reference.selection import (
     group_channel_masks,
     pack_mask,
     pair_norms,

@@ -19,14 +19,14 @@ Metrics:
 - **Long-output fidelity** (:func:`long_output_fidelity`): greedy full-precision
   continuations of prompts written here (math word problems, code), then each
   method's cache is teacher-forced along them token by token
-  (:func:`pnmix_patch.fidelity.teacher_force`): mean next-token KL and top-1
+  (:func:`pnmix_patch.eval.fidelity.teacher_force`): mean next-token KL and top-1
   agreement against one full-precision forward pass.
 - **Passkey retrieval** (:func:`passkey_retrieval`): a five-digit pass key hidden at a
   random depth of repeated filler text, 1K-4K tokens; the prompt is prefilled with exact
   attention, then each method's cache is read back while the answer is decoded greedily.
   Accuracy with a 95% Wilson interval, and paired flips against ``fp16`` on the same trials.
 - **GSM8K** (:func:`gsm8k_accuracy`): 8-shot chain-of-thought, greedy, through
-  lm-evaluation-harness (the ``gsm8k_local_8shot`` task of ``pnmix_patch/tasks``) on the
+  lm-evaluation-harness (the ``gsm8k_local_8shot`` task of ``pnmix_patch/eval/tasks``) on the
   first ``N`` test problems; exact match with a 95% Wilson interval and paired flips.
 
 "Full precision" is the model's dtype: float32 on CPU (the paper's FP16 baseline).
@@ -47,10 +47,10 @@ from pathlib import Path
 
 import torch
 
-from .api import new_cache, patch_model, unpatch_model
-from .attention import chunk_attention
-from .cache import PNMixCache, PNMixLayer, summarize_memory
-from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
+from ..api import new_cache, patch_model, unpatch_model
+from ..reference.attention import chunk_attention
+from ..cache import PNMixCache, PNMixLayer, summarize_memory
+from ..config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .fidelity import progress_bar, reference_logits, teacher_force
 
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -195,7 +195,7 @@ def capture_prefill(model, input_ids: torch.Tensor, prefix: dict | None = None, 
 
     The model runs patched with the ``fp16`` preset; every layer's post-RoPE queries, keys
     and values are recorded, and attention is exact: torch SDPA, causal (the first chunk
-    exactly as the cache's own prefill, :func:`~pnmix_patch.attention.chunk_attention`;
+    exactly as the cache's own prefill, :func:`~pnmix_patch.reference.attention.chunk_attention`;
     later chunks attend every earlier token and their own, causally).
 
     Args:
@@ -278,10 +278,10 @@ def prefill_layer_from_states(layer: PNMixLayer, query: torch.Tensor, key: torch
     layer.seen_tokens += key.shape[2]
 
 
-def cache_from_states(model, captured: dict, config: PNMixConfig, rows: slice | None = None) -> PNMixCache:
-    """A ``config`` cache holding the prompt recorded in ``captured`` (:func:`capture_prefill`),
+def cache_from_states(model, captured: dict, pnmix_config: PNMixConfig, rows: slice | None = None) -> PNMixCache:
+    """A ``pnmix_config`` cache holding the prompt recorded in ``captured`` (:func:`capture_prefill`),
     as if the prompt had been prefilled through it; ``rows`` picks sequences. ``model`` must be
-    patched with ``config``."""
+    patched with ``pnmix_config``."""
     rows = rows or slice(None)
     cache = new_cache(model)
     for index, layer in enumerate(cache.layers):
@@ -293,7 +293,7 @@ def _cached_keys_in_order(layer: PNMixLayer) -> torch.Tensor:
     """Float32 keys the layer holds for sequence 0, in token order: sinks, dequantized groups, residual."""
     quantized, _ = layer.quantized_keys_values()
     sinks = int(layer.sink_len[0])
-    grouped = int(layer.num_groups[0]) * layer.config.key_group_size
+    grouped = int(layer.num_groups[0]) * layer.pnmix_config.key_group_size
     residual = int(layer.residual_len[0])
     return torch.cat(
         [layer.sink_keys[0, :, :sinks].float(), quantized[0, :, :grouped], layer.residual_keys[0, :, :residual].float()],
@@ -302,12 +302,12 @@ def _cached_keys_in_order(layer: PNMixLayer) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_kl(captured: dict, config: PNMixConfig, context: int, progress: bool = True) -> dict:
-    """Attention-distribution KL of decode queries over ``config``'s cache vs exact keys.
+def attention_kl(captured: dict, pnmix_config: PNMixConfig, context: int, progress: bool = True) -> dict:
+    """Attention-distribution KL of decode queries over ``pnmix_config``'s cache vs exact keys.
 
     Args:
         captured: :func:`capture_attention_inputs` of ``context + queries`` tokens.
-        config: the method.
+        pnmix_config: the method.
         context: tokens prefilled into the cache; every later token is one decode query.
     Returns:
         ``mean_kl`` (over layers, query heads and decode steps), ``per_layer_kl``,
@@ -320,9 +320,9 @@ def attention_kl(captured: dict, config: PNMixConfig, context: int, progress: bo
     scaling, per_layer, parts = captured["scaling"], [], None
     for query, key, value in progress_bar(
         list(zip(captured["query"], captured["key"], captured["value"])),
-        desc=f"attention KL {config.name}", unit="layer", progress=progress, leave=False,
+        desc=f"attention KL {pnmix_config.name}", unit="layer", progress=progress, leave=False,
     ):
-        layer = PNMixLayer(config, captured["pairing"])
+        layer = PNMixLayer(pnmix_config, captured["pairing"])
         layer.attend(query[:, :, :context], key[:, :, :context], value[:, :, :context], None, scaling)
         kv_heads, ratio = key.shape[1], query.shape[1] // key.shape[1]
         step_kl = []
@@ -347,7 +347,7 @@ def attention_kl(captured: dict, config: PNMixConfig, context: int, progress: bo
         "max_layer_kl": max(per_layer),
         "queries": total - context,
         "context": context,
-        "key_bits": memory["key_bits_per_element"] if config.quantize else 16.0,
+        "key_bits": memory["key_bits_per_element"] if pnmix_config.quantize else 16.0,
         "memory": memory,
     }
 
@@ -390,9 +390,9 @@ def distinct_ngram_fraction(ids: list[int], n: int) -> float:
 
 
 def long_output_fidelity(
-    model, references: dict, config: PNMixConfig, progress: bool = True, done: dict | None = None
+    model, references: dict, pnmix_config: PNMixConfig, progress: bool = True, done: dict | None = None
 ) -> dict:
-    """Teacher-force every reference continuation through ``config``'s cache (prompt prefilled).
+    """Teacher-force every reference continuation through ``pnmix_config``'s cache (prompt prefilled).
 
     Returns ``mean_kl`` and ``top1_agreement`` over all scored steps of all prompts (each step
     weighs the same), ``per_prompt`` results, ``steps`` and ``key_bits`` (of the longest prompt's cache).
@@ -404,9 +404,9 @@ def long_output_fidelity(
             per_prompt[name] = done[name]
             continue
         ids = torch.tensor([reference["ids"]])
-        result = teacher_force(model, ids, config, reference["prompt_length"], reference_logits(model, ids), progress)
+        result = teacher_force(model, ids, pnmix_config, reference["prompt_length"], reference_logits(model, ids), progress)
         per_prompt[name] = {key: value for key, value in result.items() if key != "memory"}
-        per_prompt[name]["key_bits"] = result["memory"]["key_bits_per_element"] if config.quantize else 16.0
+        per_prompt[name]["key_bits"] = result["memory"]["key_bits_per_element"] if pnmix_config.quantize else 16.0
     return aggregate_prompts(per_prompt)
 
 
@@ -591,14 +591,14 @@ def passkey_retrieval(
         captured = {name: [torch.cat(parts, dim=0) for parts in zip(*(c[name] for c in captures))] for name in ("query", "key", "value")}
         first = torch.cat([c["logits"] for c in captures]).argmax(-1)
         del captures
-        for name, config in configs.items():
+        for name, pnmix_config in configs.items():
             if all(t["index"] in answers[name] for t in batch):
                 continue
-            patch_model(model, config)
+            patch_model(model, pnmix_config)
             try:
-                cache = cache_from_states(model, captured, config)
+                cache = cache_from_states(model, captured, pnmix_config)
                 tokens = greedy_decode(model, cache, first, new_tokens - 1)
-                bits = cache.memory_report()["key_bits_per_element"] if config.quantize else 16.0
+                bits = cache.memory_report()["key_bits_per_element"] if pnmix_config.quantize else 16.0
             finally:
                 unpatch_model(model)
             for row, trial in enumerate(batch):
@@ -648,17 +648,17 @@ def gsm8k_data_path(path: str | Path | None = None) -> Path:
 def gsm8k_accuracy(
     model,
     tokenizer,
-    config: PNMixConfig,
+    pnmix_config: PNMixConfig,
     limit: int,
     data_file: str | Path,
     task: str = GSM8K_TASK,
     max_gen_toks: int = 256,
     batch_size: int = 8,
 ) -> dict:
-    """GSM8K exact match of ``config`` on the first ``limit`` problems, through lm-evaluation-harness.
+    """GSM8K exact match of ``pnmix_config`` on the first ``limit`` problems, through lm-evaluation-harness.
 
-    The task YAML of ``pnmix_patch/tasks`` runs with its data file replaced by ``data_file``;
-    ``model`` is patched with ``config`` for the run (:func:`pnmix_patch.lm_eval_model.wrap_model`,
+    The task YAML of ``pnmix_patch/eval/tasks`` runs with its data file replaced by ``data_file``;
+    ``model`` is patched with ``pnmix_config`` for the run (:func:`pnmix_patch.eval.lm_eval_model.wrap_model`,
     requests batched ``batch_size`` at a time, left padding dropped by the cache) and unpatched
     after. Greedy, at most ``max_gen_toks`` new tokens.
 
@@ -676,7 +676,7 @@ def gsm8k_accuracy(
     spec["dataset_kwargs"]["data_files"]["test"] = str(Path(data_file).resolve())
     with tempfile.TemporaryDirectory() as folder:
         (Path(folder) / f"{task}.yaml").write_text(yaml.safe_dump(spec, sort_keys=False))
-        lm = wrap_model(model, tokenizer, preset=config, batch_size=batch_size)
+        lm = wrap_model(model, tokenizer, preset=pnmix_config, batch_size=batch_size)
         try:
             output = lm_eval.simple_evaluate(
                 model=lm, tasks=[task], limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True,
@@ -708,7 +708,7 @@ QUICK = {
     "gsm8k_task": "gsm8k_local_tiny", "gsm8k_limit": 2, "gsm8k_max_tokens": 16,
 }  # fmt: skip
 """``--quick``: small sizes that still flush quantized groups (CI); GSM8K runs the 5-problem
-``gsm8k_local_tiny`` task (1-shot, data in ``pnmix_patch/tasks``)."""
+``gsm8k_local_tiny`` task (1-shot, data in ``pnmix_patch/eval/tasks``)."""
 
 
 def run_evaluation(
@@ -946,7 +946,7 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 def _kl_text_ids(tokenizer, tokens: int) -> torch.Tensor:
-    """The first ``tokens`` tokens of the Hamlet excerpt (``pnmix_patch/data``)."""
+    """The first ``tokens`` tokens of the Hamlet excerpt (``pnmix_patch/eval/data``)."""
     from .models import hamlet_text
 
     ids = tokenizer(hamlet_text(), return_tensors="pt").input_ids
