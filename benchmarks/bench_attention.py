@@ -39,8 +39,18 @@ from pnmix_patch.reference.quantize import quantize_keys, quantize_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    HEAD_DIM, KV_HEADS, PRESETS, Q_HEADS, RESIDUAL, SINKS, build_cache, check_decode_append, copy_bandwidth, median_ms,
-    random_order, report_writer,
+    HEAD_DIM,
+    KV_HEADS,
+    PRESETS,
+    Q_HEADS,
+    RESIDUAL,
+    SINKS,
+    build_cache,
+    check_decode_append,
+    copy_bandwidth,
+    median_ms,
+    random_order,
+    report_writer,
 )
 
 
@@ -67,7 +77,8 @@ def check_correctness(device) -> dict:
             want = quantize_keys(keys, mask, num_high, group, config.key_bits_high, config.key_bits_low, True)
             values = torch.randn(3, 4, 200, HEAD_DIM, device=device).to(dtype)
             exact = all(identical(g, w) for g, w in zip(got, want)) and all(
-                identical(g, w) for g, w in zip(pack_values(values, 2, HEAD_DIM, True, group), quantize_values(values, 2, HEAD_DIM, True, group))
+                identical(g, w)
+                for g, w in zip(pack_values(values, 2, HEAD_DIM, True, group), quantize_values(values, 2, HEAD_DIM, True, group))
             )
             result["pack_bit_exact"][f"{name}/{dtype}"] = exact
             args = build_cache(config, 6, 2000, dtype, device, ragged=True)
@@ -81,8 +92,10 @@ def check_correctness(device) -> dict:
     compiled = torch.compile(lambda *a: decode_attention(*a) * 2, fullgraph=True)
     result["compile_matches"] = bool(torch.equal(compiled(*args), decode_attention(*args) * 2))
     result["model_cuda_vs_cpu"] = check_patched_model(device)
-    print(f"  opcheck ok; torch.compile fullgraph matches: {result['compile_matches']}; "
-          f"patched model CUDA vs CPU: {result['model_cuda_vs_cpu']}")
+    print(
+        f"  opcheck ok; torch.compile fullgraph matches: {result['compile_matches']}; "
+        f"patched model CUDA vs CPU: {result['model_cuda_vs_cpu']}"
+    )
     return result
 
 
@@ -91,8 +104,15 @@ def check_patched_model(device) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     model = LlamaForCausalLM(config).eval()
     ids = torch.randint(0, 256, (2, 700))
     logits = {}
@@ -149,10 +169,21 @@ def sdpa_ms_and_bytes(device, batch: int, tokens: int) -> tuple[float, int]:
 
 def row(kind, name, batch, tokens, ms, nbytes, bandwidth) -> dict:
     achieved = nbytes / (ms * 1e-3)
-    result = {"kind": kind, "method": name, "batch": batch, "context": tokens, "ms": ms, "bytes_read": nbytes,
-              "GB_per_s": achieved / 1e9, "fraction_of_copy_bandwidth": achieved / bandwidth}  # fmt: skip
-    print(f"  {kind:9s} {name:8s} B={batch:2d} T={tokens:6d}: {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
-          f"{achieved / 1e9:7.0f} GB/s  {achieved / bandwidth:5.1%} of copy", flush=True)
+    result = {
+        "kind": kind,
+        "method": name,
+        "batch": batch,
+        "context": tokens,
+        "ms": ms,
+        "bytes_read": nbytes,
+        "GB_per_s": achieved / 1e9,
+        "fraction_of_copy_bandwidth": achieved / bandwidth,
+    }
+    print(
+        f"  {kind:9s} {name:8s} B={batch:2d} T={tokens:6d}: {ms * 1e3:9.1f} us  {nbytes / 1e6:9.1f} MB  "
+        f"{achieved / 1e9:7.0f} GB/s  {achieved / bandwidth:5.1%} of copy",
+        flush=True,
+    )
     return result
 
 
@@ -163,15 +194,24 @@ def flush_cost(device, rows) -> list[dict]:
         num_high = 2 * config.num_selected_pairs(HEAD_DIM)
         residual = torch.randn(32, KV_HEADS, RESIDUAL, HEAD_DIM, device=device, dtype=torch.bfloat16)
         order = random_order(32, num_high, device)
-        ms = median_ms(lambda: (pack_keys(residual, order, num_high, config.key_group_size, config.key_bits_high,
-                                          config.key_bits_low, True), pack_values(residual, 2, HEAD_DIM, True, config.key_group_size)))  # fmt: skip
+        ms = median_ms(
+            lambda: (
+                pack_keys(residual, order, num_high, config.key_group_size, config.key_bits_high, config.key_bits_low, True),
+                pack_values(residual, 2, HEAD_DIM, True, config.key_group_size),
+            )
+        )
         for tokens in (16384, 32768, 65536):
-            step = next((r["ms"] for r in rows if r["kind"] == "kernel" and r["method"] == name and r["batch"] == 32 and r["context"] == tokens), None)
+            step = next(
+                (r["ms"] for r in rows if r["kind"] == "kernel" and r["method"] == name and r["batch"] == 32 and r["context"] == tokens),
+                None,
+            )
             if step is not None:
                 share = ms / RESIDUAL / step
                 results.append({"method": name, "context": tokens, "flush_ms": ms, "step_ms": step, "amortized_fraction": share})
-                print(f"  flush {name:8s} B=32: {ms * 1e3:7.1f} us per flush = {ms / RESIDUAL * 1e3:5.2f} us per step, "
-                      f"{share:.2%} of the T={tokens} attention step")
+                print(
+                    f"  flush {name:8s} B=32: {ms * 1e3:7.1f} us per flush = {ms / RESIDUAL * 1e3:5.2f} us per step, "
+                    f"{share:.2%} of the T={tokens} attention step"
+                )
     return results
 
 
@@ -192,20 +232,30 @@ def append_cost(device, batch: int, tokens: int) -> dict:
 
     args = [
         torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
-        torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16), random_order(batch, num_high, device, heads),
-        zeros(batch, heads, SINKS, dim), zeros(batch, heads, SINKS, dim), zeros(batch, dtype=torch.int32) + SINKS,
-        torch.randn(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16), zeros(batch, heads, RESIDUAL, dim),
+        torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
+        random_order(batch, num_high, device, heads),
+        zeros(batch, heads, SINKS, dim),
+        zeros(batch, heads, SINKS, dim),
+        zeros(batch, dtype=torch.int32) + SINKS,
+        torch.randn(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16),
+        zeros(batch, heads, RESIDUAL, dim),
         zeros(batch, dtype=torch.int32),
         zeros(batch, heads, groups, config.key_bits_high, config.key_group_size // 32, num_high, dtype=torch.int32),
         zeros(batch, heads, groups, config.key_bits_low, config.key_group_size // 32, dim - num_high, dtype=torch.int32),
-        zeros(batch, heads, groups, dim), zeros(batch, heads, groups, dim),
+        zeros(batch, heads, groups, dim),
+        zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, dtype=torch.int32),
-        zeros(batch, heads, groups * config.key_group_size, 1), zeros(batch, heads, groups * config.key_group_size, 1),
-        zeros(batch, dtype=torch.int32), zeros(batch, dtype=torch.bool), zeros(batch, dtype=torch.int32), True,
-    ]  # fmt: skip
+        zeros(batch, heads, groups * config.key_group_size, 1),
+        zeros(batch, heads, groups * config.key_group_size, 1),
+        zeros(batch, dtype=torch.int32),
+        zeros(batch, dtype=torch.bool),
+        zeros(batch, dtype=torch.int32),
+        True,
+    ]
     residual_len, num_groups = args[8], args[16]
     result = {"batch": batch, "context": tokens}
     for case, residual in (("idle", RESIDUAL // 2), ("flush", RESIDUAL)):
+
         def reset():
             residual_len.fill_(residual)
             num_groups.fill_(0)  # flushes always find room
@@ -216,8 +266,11 @@ def append_cost(device, batch: int, tokens: int) -> dict:
 
         result[f"{case}_ms"] = median_ms(append)
         result["reset_ms"] = median_ms(reset)
-        print(f"  decode_append B={batch:2d}, {case:5s}: {result[f'{case}_ms'] * 1e3:6.1f} us with the reset "
-              f"({result['reset_ms'] * 1e3:4.1f} us alone)", flush=True)
+        print(
+            f"  decode_append B={batch:2d}, {case:5s}: {result[f'{case}_ms'] * 1e3:6.1f} us with the reset "
+            f"({result['reset_ms'] * 1e3:4.1f} us alone)",
+            flush=True,
+        )
     return result
 
 
@@ -237,16 +290,29 @@ def sweep_launch(device) -> list[dict]:
         for warps in (4, 8):
             for stages in (1, 2, 3):
                 for splits in sorted({default, 2 * default, max(1, default // 2)}):
+
                     def run():
                         return triton_decode_attention(*args, num_splits=splits, num_warps=warps, num_stages=stages)
 
                     error = ((run().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
                     ms = median_ms(run)
-                    rows.append({"batch": batch, "context": tokens, "num_warps": warps, "num_stages": stages,
-                                 "num_splits": splits, "default": (warps, stages, splits) == (4, NUM_STAGES, default),
-                                 "ms": ms, "max_error_vs_default": error})  # fmt: skip
-                    print(f"  launch B={batch:2d} T={tokens:6d} warps={warps} stages={stages} splits={splits:3d}: "
-                          f"{ms * 1e3:8.1f} us  (error vs default {error:.1e})", flush=True)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "context": tokens,
+                            "num_warps": warps,
+                            "num_stages": stages,
+                            "num_splits": splits,
+                            "default": (warps, stages, splits) == (4, NUM_STAGES, default),
+                            "ms": ms,
+                            "max_error_vs_default": error,
+                        }
+                    )
+                    print(
+                        f"  launch B={batch:2d} T={tokens:6d} warps={warps} stages={stages} splits={splits:3d}: "
+                        f"{ms * 1e3:8.1f} us  (error vs default {error:.1e})",
+                        flush=True,
+                    )
         del args
         rows.append(append_cost(device, batch, tokens))
     return rows
@@ -274,20 +340,32 @@ def sweep_registers(device) -> list[dict]:
             for registers in (None, 168, 128):
                 for stages in (1, 3):
                     for splits in sorted({default, min(2 * default, chunks), min(4 * default, chunks)}):
+
                         def run():
-                            return triton_decode_attention(
-                                *args, num_splits=splits, num_stages=stages, max_registers=registers
-                            )
+                            return triton_decode_attention(*args, num_splits=splits, num_stages=stages, max_registers=registers)
 
                         error = ((run().float() - expected.float()).abs().max() / expected.float().abs().max()).item()
                         ms = median_ms(run)
-                        rows.append({"batch": batch, "context": tokens, "kernel": name, "max_registers": registers,
-                                     "num_stages": stages, "num_splits": splits,
-                                     "default": (registers, stages, splits) == (MAX_REGISTERS, NUM_STAGES, default),
-                                     "ms": ms, "speed_vs_sdpa": sdpa_ms / ms, "max_error_vs_default": error})  # fmt: skip
-                        print(f"  B={batch:2d} T={tokens:6d} {name:8s} maxnreg={registers} stages={stages} "
-                              f"splits={splits:3d}: {ms * 1e3:8.1f} us = {sdpa_ms / ms:.2f}x SDPA "
-                              f"(error vs default {error:.1e})", flush=True)
+                        rows.append(
+                            {
+                                "batch": batch,
+                                "context": tokens,
+                                "kernel": name,
+                                "max_registers": registers,
+                                "num_stages": stages,
+                                "num_splits": splits,
+                                "default": (registers, stages, splits) == (MAX_REGISTERS, NUM_STAGES, default),
+                                "ms": ms,
+                                "speed_vs_sdpa": sdpa_ms / ms,
+                                "max_error_vs_default": error,
+                            }
+                        )
+                        print(
+                            f"  B={batch:2d} T={tokens:6d} {name:8s} maxnreg={registers} stages={stages} "
+                            f"splits={splits:3d}: {ms * 1e3:8.1f} us = {sdpa_ms / ms:.2f}x SDPA "
+                            f"(error vs default {error:.1e})",
+                            flush=True,
+                        )
             del args
     return rows
 
@@ -298,17 +376,32 @@ def sweep_splits(device) -> list[dict]:
     from pnmix_patch.kernels.decode_attention import _default_splits
 
     rows = []
-    candidates = {1: (16, 33, 48, 66, 99, 132), 8: (5, 8, 9, 12, 16, 20, 24, 33, 40, 66),
-                  32: (1, 2, 3, 4, 5, 6, 8, 12, 16), 64: (1, 2, 3, 4, 6, 8)}  # fmt: skip
+    candidates = {
+        1: (16, 33, 48, 66, 99, 132),
+        8: (5, 8, 9, 12, 16, 20, 24, 33, 40, 66),
+        32: (1, 2, 3, 4, 5, 6, 8, 12, 16),
+        64: (1, 2, 3, 4, 6, 8),
+    }
     for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
         args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
         default = _default_splits(args[0], batch * KV_HEADS, args[5].shape[2] * args[5].shape[4])
         for splits in sorted({*candidates[batch], default}):
             ms = median_ms(lambda: triton_decode_attention(*args, num_splits=splits))
-            rows.append({"batch": batch, "context": tokens, "num_splits": splits, "programs": batch * KV_HEADS * splits,
-                         "default": splits == default, "ms": ms})  # fmt: skip
-            print(f"  splits B={batch:2d} T={tokens:6d} splits={splits:3d} programs={batch * KV_HEADS * splits:5d}: "
-                  f"{ms * 1e3:8.1f} us" + ("  (default)" if splits == default else ""), flush=True)
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": tokens,
+                    "num_splits": splits,
+                    "programs": batch * KV_HEADS * splits,
+                    "default": splits == default,
+                    "ms": ms,
+                }
+            )
+            print(
+                f"  splits B={batch:2d} T={tokens:6d} splits={splits:3d} programs={batch * KV_HEADS * splits:5d}: "
+                f"{ms * 1e3:8.1f} us" + ("  (default)" if splits == default else ""),
+                flush=True,
+            )
         del args
     return rows
 
@@ -328,10 +421,22 @@ def sweep_mma(device) -> list[dict]:
                 for splits in sorted({*candidates[batch], default}):
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers, stages=stages))
                     flag = splits == default and registers == MAX_REGISTERS and stages == STAGES
-                    rows.append({"batch": batch, "context": tokens, "stages": stages, "max_registers": registers,
-                                 "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
-                    print(f"  mma B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
-                          f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""), flush=True)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "context": tokens,
+                            "stages": stages,
+                            "max_registers": registers,
+                            "num_splits": splits,
+                            "default": flag,
+                            "ms": ms,
+                        }
+                    )
+                    print(
+                        f"  mma B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
+                        f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""),
+                        flush=True,
+                    )
         del args
     return rows
 
@@ -358,10 +463,23 @@ def sweep_occupancy(device) -> list[dict]:
                     timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
                     flag = splits == default and registers == register_cap(32 * args[5].shape[4], Q_HEADS // KV_HEADS)
-                    rows.append({"preset": preset, "batch": batch, "context": tokens, "max_registers": registers,
-                                 "programs_per_sm_assumed": per_sm, "num_splits": splits, "default": flag, "ms": ms})  # fmt: skip
-                    print(f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "
-                          f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""), flush=True)
+                    rows.append(
+                        {
+                            "preset": preset,
+                            "batch": batch,
+                            "context": tokens,
+                            "max_registers": registers,
+                            "programs_per_sm_assumed": per_sm,
+                            "num_splits": splits,
+                            "default": flag,
+                            "ms": ms,
+                        }
+                    )
+                    print(
+                        f"  {preset} B={batch:3d} T={tokens:6d} registers={registers} slots={per_sm}/SM splits={splits:3d}: "
+                        f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""),
+                        flush=True,
+                    )
             del args
     return rows
 
@@ -375,34 +493,55 @@ def main() -> None:
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
     parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's groups-in-flight, register-cap and split sweep")
-    parser.add_argument("--sweep-occupancy", action="store_true",
-                        help="only the Gluon kernel's register cap x split slots, pnmix-1 and pnmix-2, batch 1 to 580")
+    parser.add_argument(
+        "--sweep-occupancy",
+        action="store_true",
+        help="only the Gluon kernel's register cap x split slots, pnmix-1 and pnmix-2, batch 1 to 580",
+    )
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
     if args.append_only:
-        report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "command": "python benchmarks/bench_attention.py --append-only",
-                  "bit_exact": check_decode_append(device),
-                  "rows": [append_cost(device, batch, tokens) for batch, tokens in ((1, 32768), (8, 16384), (32, 16384))]}  # fmt: skip
+        report = {
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "command": "python benchmarks/bench_attention.py --append-only",
+            "bit_exact": check_decode_append(device),
+            "rows": [append_cost(device, batch, tokens) for batch, tokens in ((1, 32768), (8, 16384), (32, 16384))],
+        }
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "bench_attention_append.json").write_text(json.dumps(report, indent=2))
         return
-    sweeps = (("sweep_registers", sweep_registers, "register"), ("sweep_splits", sweep_splits, "split"), ("sweep_mma", sweep_mma, "mma"),
-              ("sweep_occupancy", sweep_occupancy, "occupancy"))
+    sweeps = (
+        ("sweep_registers", sweep_registers, "register"),
+        ("sweep_splits", sweep_splits, "split"),
+        ("sweep_mma", sweep_mma, "mma"),
+        ("sweep_occupancy", sweep_occupancy, "occupancy"),
+    )
     for flag, sweep, name in sweeps:
         if getattr(args, flag):
             rows = sweep(device)
             Path(args.out).mkdir(parents=True, exist_ok=True)
-            report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                      "command": f"python benchmarks/bench_attention.py --{flag.replace('_', '-')}", "rows": rows}  # fmt: skip
+            report = {
+                "date": time.strftime("%Y-%m-%d"),
+                "gpu": torch.cuda.get_device_name(),
+                "torch": torch.__version__,
+                "command": f"python benchmarks/bench_attention.py --{flag.replace('_', '-')}",
+                "rows": rows,
+            }
             (Path(args.out) / f"bench_attention_{name}_sweep.json").write_text(json.dumps(report, indent=2))
             return
     if args.sweep_launch:
         rows = sweep_launch(device)
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        report = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                  "command": "python benchmarks/bench_attention.py --sweep-launch", "rows": rows}  # fmt: skip
+        report = {
+            "date": time.strftime("%Y-%m-%d"),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "command": "python benchmarks/bench_attention.py --sweep-launch",
+            "rows": rows,
+        }
         (Path(args.out) / "bench_attention_launch_sweep.json").write_text(json.dumps(report, indent=2))
         return
     write = report_writer(args.out, "bench_attention.json", "benchmarks/bench_attention.py")

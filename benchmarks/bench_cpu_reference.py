@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import PRESETS, build_cache
 from tqdm.auto import tqdm
 
 import pnmix_patch
-from common import PRESETS, build_cache
 from pnmix_patch.kernels.decode_attention import decode_attention
 from pnmix_patch.reference.quantize import dequantize_keys, dequantize_values
 
@@ -49,11 +49,12 @@ def time_preset(name: str, context: int, repeats: int) -> dict:
     channel_mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
     group = config.key_group_size
     return {
-        "method": name, "context": context,
+        "method": name,
+        "context": context,
         "op_ms": median_ms(lambda: decode_attention(*args), repeats),
         "dequantize_keys_ms": median_ms(lambda: dequantize_keys(codes_high, codes_low, key_scale, key_zero, channel_mask), repeats),
         "dequantize_values_ms": median_ms(lambda: dequantize_values(value_codes, value_scale, value_zero, group), repeats),
-    }  # fmt: skip
+    }
 
 
 def main() -> None:
@@ -72,15 +73,22 @@ def main() -> None:
     rows = []
     for name, context in tqdm([(n, c) for n in args.presets for c in args.contexts], desc="presets x contexts"):
         rows.append(time_preset(name, context, args.repeats))
-        print(f"  {name:8s} {context:6d} tokens: op {rows[-1]['op_ms']:8.1f} ms, keys {rows[-1]['dequantize_keys_ms']:8.1f} ms, "
-              f"values {rows[-1]['dequantize_values_ms']:8.1f} ms")
+        print(
+            f"  {name:8s} {context:6d} tokens: op {rows[-1]['op_ms']:8.1f} ms, keys {rows[-1]['dequantize_keys_ms']:8.1f} ms, "
+            f"values {rows[-1]['dequantize_values_ms']:8.1f} ms"
+        )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "package": str(Path(pnmix_patch.__file__).parent),
-        "torch": torch.__version__, "host": platform.node(), "processor": platform.processor() or platform.machine(),
-        "threads": args.threads, "command": "python " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+        "package": str(Path(pnmix_patch.__file__).parent),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "processor": platform.processor() or platform.machine(),
+        "threads": args.threads,
+        "command": "python " + " ".join(sys.argv),
         "rows": rows,
-    }  # fmt: skip
+    }
     out = Path(args.out) / f"bench_cpu_reference{'_' + args.tag if args.tag else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1))

@@ -98,8 +98,20 @@ from pnmix_patch.planner import model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    PROMPT, STEPS, WARMUP, cache_arg, check_decode_append, copy_bandwidth, fill_bf16, fill_pnmix, gqa_sdpa, graphed_forward, prefill,
-    report_writer, steps_taken, time_steps,
+    PROMPT,
+    STEPS,
+    WARMUP,
+    cache_arg,
+    check_decode_append,
+    copy_bandwidth,
+    fill_bf16,
+    fill_pnmix,
+    gqa_sdpa,
+    graphed_forward,
+    prefill,
+    report_writer,
+    steps_taken,
+    time_steps,
 )
 
 MODELS = ("qwen3-8b", "llama-3.1-8b")  # shapes of pnmix_patch.planner.MODEL_SHAPES
@@ -120,16 +132,24 @@ class FusedProjections(RuntimeMixin):
 
     prefix = "Fused"
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None,
-                **kwargs):  # fmt: skip
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, cache=None, **kwargs):
         cache = cache if cache is not None else past_key_values
         query, key, value = self._bench_adapter.project(self, hidden_states)
         query, key = self._bench_rotary(*self._bench_adapter.norms(self, query, key), *position_embeddings)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, self._bench_eager_attention)
-        output, _ = attention(self, query, key, value, attention_mask, dropout=0.0, scaling=self.scaling,
-                              sliding_window=getattr(self, "sliding_window", None), **kwargs)  # fmt: skip
+        output, _ = attention(
+            self,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=self.scaling,
+            sliding_window=getattr(self, "sliding_window", None),
+            **kwargs,
+        )
         return self.o_proj(output.reshape(*hidden_states.shape[:-1], -1)), None
 
 
@@ -161,8 +181,15 @@ def check_fair_attention(device) -> float:
 
 def check_compiled_tiny_model(device) -> dict:
     """Greedy tokens of a tiny patched Llama: static cache compiled on CUDA vs eager on CPU."""
-    config = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=128)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     patch_model(model, "pnmix-1")
@@ -190,11 +217,14 @@ def check_compiled_tiny_model(device) -> dict:
     # Up to the first differing token both runs saw the same inputs: their logits must agree.
     same_inputs = slice(0, first_difference + 1)
     result = {
-        "steps": steps, "identical": first_difference > steps, "first_differing_step": first_difference,
+        "steps": steps,
+        "identical": first_difference > steps,
+        "first_differing_step": first_difference,
         "max_abs_logit_difference_before_it": (gpu_logits[:, same_inputs] - cpu_logits[:, same_inputs]).abs().max().item(),
-        "graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "unique_graphs": counters["stats"]["unique_graphs"],
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
-    }  # fmt: skip
+    }
     print(f"  tiny Llama, static cache compiled on CUDA vs eager CPU: {result}", flush=True)
     return result
 
@@ -210,8 +240,15 @@ def check_gemv_products(device) -> dict:
         op = getattr(pnmix_patch.linear, name)
         return lambda *args: calls.__setitem__(name, calls[name] + 1) or op(*args)
 
-    shapes = dict(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=128)  # fmt: skip
+    shapes = dict(
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    )
     tokens = torch.randint(0, 256, (1, 130), generator=torch.Generator().manual_seed(0)).to(device)
     results = {}
     with contextlib.ExitStack() as stack:
@@ -227,8 +264,9 @@ def check_gemv_products(device) -> dict:
                 cache = new_cache(model) if variant == "pnmix" else DynamicCache(config=model.config)
                 with torch.no_grad():
                     model(input_ids=tokens[:, :100], **{cache_arg(model): cache})
-                    return torch.cat([model(input_ids=tokens[:, i:i + 1], **{cache_arg(model): cache}).logits[0].float()
-                                      for i in range(100, 130)])  # fmt: skip
+                    return torch.cat(
+                        [model(input_ids=tokens[:, i : i + 1], **{cache_arg(model): cache}).logits[0].float() for i in range(100, 130)]
+                    )
 
             want = decode_logits()
             patch_gemv(model)
@@ -237,8 +275,12 @@ def check_gemv_products(device) -> dict:
             before = dict(calls)
             got = decode_logits()
             used = {name: calls[name] - before[name] for name in calls}
-            result = {"max_abs_logit_difference": (got - want).abs().max().item(), "logit_scale": want.abs().max().item(),
-                      "same_argmax_fraction": (got.argmax(-1) == want.argmax(-1)).float().mean().item(), "fused_calls": used}  # fmt: skip
+            result = {
+                "max_abs_logit_difference": (got - want).abs().max().item(),
+                "logit_scale": want.abs().max().item(),
+                "same_argmax_fraction": (got.argmax(-1) == want.argmax(-1)).float().mean().item(),
+                "fused_calls": used,
+            }
             print(f"  patch_gemv vs cuBLAS, tiny {config.model_type} bf16, {variant}: {result}", flush=True)
             if not all(used.values()):
                 raise AssertionError(f"{config.model_type} {variant}: the fused ops were not called: {used}")
@@ -298,32 +340,52 @@ def profile_steps(forward, model, cache, name, steps=5) -> dict:
             entry = kernels.setdefault(event.name, [0.0, 0])
             entry[0] += event.device_time_total / steps
             entry[1] += 1
-    rows = sorted(({"kernel": k[:120], "us_per_step": t, "launches_per_step": n / steps, "category": kernel_category(k)}
-                   for k, (t, n) in kernels.items()), key=lambda r: -r["us_per_step"])  # fmt: skip
+    rows = sorted(
+        (
+            {"kernel": k[:120], "us_per_step": t, "launches_per_step": n / steps, "category": kernel_category(k)}
+            for k, (t, n) in kernels.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )
     categories = {}
     for row in rows:
         total = categories.setdefault(row["category"], {"us_per_step": 0.0, "launches_per_step": 0.0})
         total["us_per_step"] += row["us_per_step"]
         total["launches_per_step"] += row["launches_per_step"]
     busy = sum(r["us_per_step"] for r in rows)
-    print(f"    GPU busy {busy:8.1f} us/step in {sum(r['launches_per_step'] for r in rows):.0f} launches; "
-          + "; ".join(f"{c}: {v['us_per_step']:.1f} us ({v['launches_per_step']:.0f})" for c, v in categories.items()),
-          flush=True)  # fmt: skip
+    print(
+        f"    GPU busy {busy:8.1f} us/step in {sum(r['launches_per_step'] for r in rows):.0f} launches; "
+        + "; ".join(f"{c}: {v['us_per_step']:.1f} us ({v['launches_per_step']:.0f})" for c, v in categories.items()),
+        flush=True,
+    )
     return {"gpu_busy_us_per_step": busy, "categories": categories, "top_kernels": rows[:25]}
 
 
-def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, batch=1,
-               **extra) -> dict:  # fmt: skip
+def timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined, batch=1, **extra) -> dict:
     """One row of the report from :func:`time_steps`' ``timed`` (medians) and :func:`pipelined_host_time`
     (``ms_per_token``: ms per step, one token of each of ``batch`` sequences)."""
     ms = statistics.median(timed["ms"])
     floor = (weight_bytes + cache_bytes) / bandwidth * 1e3
-    print(f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/{'token' if batch == 1 else 'step'}  floor "
-          f"{floor:6.3f} ms ({floor / ms:5.1%})", flush=True)
-    return {"model": model_name, "variant": variant, "context": context, "batch": batch, "ms_per_token": ms,
-            "tokens_per_s": batch * 1e3 / ms, "weight_bytes": weight_bytes, "cache_bytes_read": cache_bytes,
-            "bandwidth_floor_ms": floor, "fraction_of_floor": floor / ms,
-            "synchronized_host_us_per_call": statistics.median(timed["host_us"]), **pipelined, **extra}  # fmt: skip
+    print(
+        f"  {model_name} {variant:20s} T={context:6d}: {ms:7.3f} ms/{'token' if batch == 1 else 'step'}  floor "
+        f"{floor:6.3f} ms ({floor / ms:5.1%})",
+        flush=True,
+    )
+    return {
+        "model": model_name,
+        "variant": variant,
+        "context": context,
+        "batch": batch,
+        "ms_per_token": ms,
+        "tokens_per_s": batch * 1e3 / ms,
+        "weight_bytes": weight_bytes,
+        "cache_bytes_read": cache_bytes,
+        "bandwidth_floor_ms": floor,
+        "fraction_of_floor": floor / ms,
+        "synchronized_host_us_per_call": statistics.median(timed["host_us"]),
+        **pipelined,
+        **extra,
+    }
 
 
 def random_model(model_name: str, device, gemv: bool = False):
@@ -340,8 +402,17 @@ def random_model(model_name: str, device, gemv: bool = False):
     return model, weight_bytes
 
 
-def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, compiled_only=False, profile=False, graphed=False,
-               gemv=False, timed_so_far=lambda rows: None) -> list[dict]:
+def time_model(
+    model_name: str,
+    device,
+    bandwidth: float,
+    contexts=CONTEXTS,
+    compiled_only=False,
+    profile=False,
+    graphed=False,
+    gemv=False,
+    timed_so_far=lambda rows: None,
+) -> list[dict]:
     """Every variant's rows for ``model_name``, one after the other (module docstring); ``timed_so_far(rows)``
     is called after each row is timed (and each is profiled), with the rows so far."""
     model, weight_bytes = random_model(model_name, device, gemv)
@@ -405,8 +476,11 @@ def time_model(model_name: str, device, bandwidth: float, contexts=CONTEXTS, com
     # traced CUDA activity, replaying a CUDA graph costs more host time.
     for variant, context, forward, cache, cache_bytes in runs():
         (timed,) = time_steps([(forward, model, cache)], name)
-        rows.append(timing_row(model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth,
-                               pipelined_host_time(forward, model, cache, name)))  # fmt: skip
+        rows.append(
+            timing_row(
+                model_name, variant, context, timed, weight_bytes, cache_bytes, bandwidth, pipelined_host_time(forward, model, cache, name)
+            )
+        )
         timed_so_far(rows)
         del forward, cache  # so that the next row's setup can free this row's storage
     print(f"  inductor counters during PN-Mix compiled timing: {dict(inductor)}", flush=True)
@@ -427,16 +501,29 @@ def own_forward(model) -> None:
     entries per code object and checks them in turn: two models of one class compiled side by side
     would each check the other's guards on every call, which a step compiled alone does not."""
     function = type(model).forward
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)  # fmt: skip
+    copy = types.FunctionType(
+        function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__, function.__closure__
+    )
     copy.__kwdefaults__ = function.__kwdefaults__
     functools.update_wrapper(copy, function)  # keeps the signature (the cache argument's name)
     model.forward = types.MethodType(copy, model)
 
 
-def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXTS, paths=PATHS,
-                     steps=INTERLEAVED_STEPS, turn=TURN, untimed=UNTIMED_PER_TURN, gemv=False, pdl_ab=False,
-                     rotation_ab=False, batch=1, timed_so_far=lambda rows: None) -> list[dict]:  # fmt: skip
+def time_interleaved(
+    model_name: str,
+    device,
+    bandwidth: float,
+    contexts=CONTEXTS,
+    paths=PATHS,
+    steps=INTERLEAVED_STEPS,
+    turn=TURN,
+    untimed=UNTIMED_PER_TURN,
+    gemv=False,
+    pdl_ab=False,
+    rotation_ab=False,
+    batch=1,
+    timed_so_far=lambda rows: None,
+) -> list[dict]:
     """The fair bf16 baseline and PN-Mix compiled the same way, their synchronized steps taking turns
     of ``turn`` steps, the first ``untimed`` of each not timed (:func:`time_steps`), for each path of
     ``paths`` and each context.
@@ -508,29 +595,48 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
                 cache_bytes += [bf16_bytes] + [pnmix_bytes] * len(pnmix_models)
                 # How this row's kernels launched: the library's with PDL or not, Inductor's likewise.
                 graphed_pdl = pdl_capable and pdl
-                launch = {"library_pdl": graphed_pdl if path == "graphed" else pdl_capable and kernels_common.PDL,
-                          "inductor_pdl": graphed_pdl if path == "graphed" else
-                          pdl_capable and bool(getattr(torch._inductor.config.triton, "enable_pdl", False))}
+                launch = {
+                    "library_pdl": graphed_pdl if path == "graphed" else pdl_capable and kernels_common.PDL,
+                    "inductor_pdl": graphed_pdl
+                    if path == "graphed"
+                    else pdl_capable and bool(getattr(torch._inductor.config.triton, "enable_pdl", False)),
+                }
                 launches += [launch] * (1 + len(pnmix_models))
             with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
                 timed = time_steps(runs, name, steps=steps, turn=turn, untimed=untimed, batch=batch)
                 pipelined = [pipelined_host_time(*run, name, batch=batch) for run in runs]
             group = [
-                timing_row(model_name, variant, context, variant_timed, weight_bytes, variant_bytes, bandwidth,
-                           variant_pipelined, batch, interleaved=True, turn=turn, untimed_per_turn=untimed,
-                           host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]],
-                           **launch)
+                timing_row(
+                    model_name,
+                    variant,
+                    context,
+                    variant_timed,
+                    weight_bytes,
+                    variant_bytes,
+                    bandwidth,
+                    variant_pipelined,
+                    batch,
+                    interleaved=True,
+                    turn=turn,
+                    untimed_per_turn=untimed,
+                    host_us_median_by_turn_position=[statistics.median(h) if h else math.nan for h in variant_timed["host_us_by_position"]],
+                    **launch,
+                )
                 for variant, variant_timed, variant_bytes, variant_pipelined, launch in zip(labels, timed, cache_bytes, pipelined, launches)
-            ]  # fmt: skip
+            ]
             turn_ms = [[statistics.median(t["ms"][i] for i in indices) for indices in t["turns"]] for t in timed]
 
             def ratios(index, baseline, key):
                 group[index][f"ratio_to_{key}_of_medians"] = group[index]["ms_per_token"] / group[baseline]["ms_per_token"]
                 group[index][f"ratio_to_{key}_median_of_turns"] = statistics.median(
-                    a / b for a, b in zip(turn_ms[index], turn_ms[baseline]))
-                print(f"  {model_name} {path} T={context}: {group[index]['variant']} / {group[baseline]['variant']} "
-                      f"{group[index][f'ratio_to_{key}_of_medians']:.3f} (median of {len(turn_ms[index])} turns' ratios "
-                      f"{group[index][f'ratio_to_{key}_median_of_turns']:.3f})", flush=True)  # fmt: skip
+                    a / b for a, b in zip(turn_ms[index], turn_ms[baseline])
+                )
+                print(
+                    f"  {model_name} {path} T={context}: {group[index]['variant']} / {group[baseline]['variant']} "
+                    f"{group[index][f'ratio_to_{key}_of_medians']:.3f} (median of {len(turn_ms[index])} turns' ratios "
+                    f"{group[index][f'ratio_to_{key}_median_of_turns']:.3f})",
+                    flush=True,
+                )
 
             for index, baseline in enumerate(baselines):
                 if index != baseline:
@@ -541,8 +647,11 @@ def time_interleaved(model_name: str, device, bandwidth: float, contexts=CONTEXT
             for index in range(len(group) // 2 if pdl_ab else 0):
                 ratios(index, index + len(group) // 2, "nopdl")
             for row in group:
-                print(f"    host time by step of a turn, {row['variant']} (us): "
-                      + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]), flush=True)
+                print(
+                    f"    host time by step of a turn, {row['variant']} (us): "
+                    + " ".join(f"{h:.0f}" for h in row["host_us_median_by_turn_position"]),
+                    flush=True,
+                )
             rows += group
             timed_so_far(rows)
             del bf16_forward, bf16_cache, runs
@@ -575,21 +684,39 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS), help="default: 1024 8192 32768")
     parser.add_argument("--compiled-only", action="store_true", help="only bf16-compiled-fair and pnmix-compiled")
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
-    parser.add_argument("--graphed", action="store_true",
-                        help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep")
-    parser.add_argument("--interleaved", action="store_true",
-                        help=f"only the fair bf16 and PN-Mix compiled rows of --paths, their steps taking turns ({INTERLEAVED_STEPS} timed steps each)")
+    parser.add_argument(
+        "--graphed",
+        action="store_true",
+        help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep",
+    )
+    parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help=f"only the fair bf16 and PN-Mix compiled rows of --paths, their steps taking turns ({INTERLEAVED_STEPS} timed steps each)",
+    )
     parser.add_argument("--turn", type=int, default=TURN, help=f"with --interleaved: steps per turn (default {TURN})")
-    parser.add_argument("--untimed", type=int, default=None,
-                        help=f"with --interleaved: steps run but not timed at the start of each turn (default {UNTIMED_PER_TURN}, 0 with --turn 1)")
+    parser.add_argument(
+        "--untimed",
+        type=int,
+        default=None,
+        help=f"with --interleaved: steps run but not timed at the start of each turn (default {UNTIMED_PER_TURN}, 0 with --turn 1)",
+    )
     parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
-    parser.add_argument("--gemv", action="store_true",
-                        help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too")
-    parser.add_argument("--pdl-ab", action="store_true",
-                        help="with --interleaved --paths graphed: each step also compiled and captured without PDL (pdl=False)")
-    parser.add_argument("--rotation-ab", action="store_true",
-                        help="with --interleaved: also PN-Mix with the decode steps' q/k norms and RoPE compiled by Inductor "
-                             "(not in the append kernel)")
+    parser.add_argument(
+        "--gemv",
+        action="store_true",
+        help="every variant's linear layers through pnmix::gemv at one token (pnmix_patch.patch_gemv), bf16's too",
+    )
+    parser.add_argument(
+        "--pdl-ab",
+        action="store_true",
+        help="with --interleaved --paths graphed: each step also compiled and captured without PDL (pdl=False)",
+    )
+    parser.add_argument(
+        "--rotation-ab",
+        action="store_true",
+        help="with --interleaved: also PN-Mix with the decode steps' q/k norms and RoPE compiled by Inductor (not in the append kernel)",
+    )
     parser.add_argument("--batch", type=int, default=1, help="with --interleaved: sequences per decode step (default 1)")
     parser.add_argument("--tag", default="", help="suffix of the JSON file name (after one '_'; leading ones are dropped)")
     args = parser.parse_args()
@@ -611,8 +738,7 @@ def main() -> None:
         parser.error(f"--turn {args.turn} --untimed {args.untimed}: allowed a turn of 1 step or more, and 0 to turn - 1 untimed")
     device = torch.device("cuda")
     tag = args.tag.lstrip("_")
-    write = report_writer(args.out, f"bench_decode_{'_'.join(args.model)}{f'_{tag}' if tag else ''}.json",
-                          "benchmarks/bench_decode.py")
+    write = report_writer(args.out, f"bench_decode_{'_'.join(args.model)}{f'_{tag}' if tag else ''}.json", "benchmarks/bench_decode.py")
     checks = {}
     if not args.skip_checks:
         print("checks", flush=True)
@@ -624,11 +750,13 @@ def main() -> None:
     bandwidth = copy_bandwidth(device)
     print(f"copy bandwidth (read + write): {bandwidth / 1e9:.0f} GB/s", flush=True)
     sections = {
-        "copy_bandwidth_GB_per_s": bandwidth / 1e9, "gemv": args.gemv, "library_pdl_default": kernels_common.PDL,
+        "copy_bandwidth_GB_per_s": bandwidth / 1e9,
+        "gemv": args.gemv,
+        "library_pdl_default": kernels_common.PDL,
         "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
         "graphed_pdl_default": kernels_common.has_pdl(device.index or 0),  # GraphedDecodeStep's (graphed rows)
         "checks": checks,
-    }  # fmt: skip
+    }
     rows = []  # the models timed so far; the report is rewritten after every row (or context, interleaved)
 
     def timed_so_far(model_rows):
@@ -636,12 +764,24 @@ def main() -> None:
 
     for model_name in args.model:
         if args.interleaved:
-            rows += time_interleaved(model_name, device, bandwidth, tuple(args.contexts), tuple(args.paths),
-                                     turn=args.turn, untimed=args.untimed, gemv=args.gemv, pdl_ab=args.pdl_ab,
-                                     rotation_ab=args.rotation_ab, batch=args.batch, timed_so_far=timed_so_far)  # fmt: skip
+            rows += time_interleaved(
+                model_name,
+                device,
+                bandwidth,
+                tuple(args.contexts),
+                tuple(args.paths),
+                turn=args.turn,
+                untimed=args.untimed,
+                gemv=args.gemv,
+                pdl_ab=args.pdl_ab,
+                rotation_ab=args.rotation_ab,
+                batch=args.batch,
+                timed_so_far=timed_so_far,
+            )
         else:
-            rows += time_model(model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed,
-                               args.gemv, timed_so_far)  # fmt: skip
+            rows += time_model(
+                model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed, args.gemv, timed_so_far
+            )
     write(complete=True, timings=rows, **sections)
 
 

@@ -74,8 +74,13 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
     torch.cuda.reset_peak_memory_stats()
     import pnmix_patch.kernels.common as kernels_common
 
-    result = {"method": method, "batch": batch, "positions": positions, "graphed": graphed,
-              "graphed_pdl": graphed and model.device.type == "cuda" and kernels_common.has_pdl(model.device.index or 0)}  # GraphedDecodeStep's default
+    result = {
+        "method": method,
+        "batch": batch,
+        "positions": positions,
+        "graphed": graphed,
+        "graphed_pdl": graphed and model.device.type == "cuda" and kernels_common.has_pdl(model.device.index or 0),
+    }  # GraphedDecodeStep's default
     try:
         if method == "bf16":
             model.set_attn_implementation("sdpa_gqa")
@@ -93,17 +98,25 @@ def run_method(model, method, batch, positions, lengths, steps=5, warmup=3, grap
             forward = torch.compile(model.forward, fullgraph=True, mode="reduce-overhead")
         if full_run:
             times = time_steps([(forward, model, cache)], name, warmup, GENERATED - warmup, batch=batch)[0]["ms"]
-            result["full_run"] = {"timed_steps": len(times), "total_ms": sum(times),
-                                  "tokens_per_s": batch * len(times) / (sum(times) / 1e3)}  # fmt: skip
-            print(f"  {method:8s} B={batch:4d}: full run {result['full_run']['tokens_per_s']:9.0f} tokens/s "
-                  f"over steps {warmup + 1}-{GENERATED}", flush=True)
+            result["full_run"] = {
+                "timed_steps": len(times),
+                "total_ms": sum(times),
+                "tokens_per_s": batch * len(times) / (sum(times) / 1e3),
+            }
+            print(
+                f"  {method:8s} B={batch:4d}: full run {result['full_run']['tokens_per_s']:9.0f} tokens/s "
+                f"over steps {warmup + 1}-{GENERATED}",
+                flush=True,
+            )
         result["ms_per_step"] = {}
         for length in lengths:
             fill(cache, min(PROMPT + length, positions - warmup - steps - 1))
             timed = time_steps([(forward, model, cache)], name, warmup, steps, batch=batch)[0]["ms"]
             result["ms_per_step"][length] = statistics.median(timed)
-            print(f"  {method:8s} B={batch:4d} positions={positions:6d} length={length:6d}: "
-                  f"{result['ms_per_step'][length]:8.2f} ms/step", flush=True)
+            print(
+                f"  {method:8s} B={batch:4d} positions={positions:6d} length={length:6d}: {result['ms_per_step'][length]:8.2f} ms/step",
+                flush=True,
+            )
         del forward
     except torch.OutOfMemoryError as error:
         result["error"] = f"out of memory: {str(error).splitlines()[0]}"
@@ -151,10 +164,12 @@ def capacity(model, planner, device, methods) -> list[dict]:
             positions = PROMPT + generated
             planned = planner.peak_bytes(preset, run_batch, PROMPT, generated)
             result = run_method(model, method, run_batch, positions, (generated,), steps=2, warmup=2)
-            result.update(question=label, generated=generated, planned_peak_bytes=planned,
-                          plan_error=result["peak_bytes"] / planned - 1)  # fmt: skip
-            print(f"  {method}: {label}: batch {run_batch}, {generated} tokens; peak {result['peak_bytes'] / 2**30:.2f} GiB "
-                  f"measured vs {planned / 2**30:.2f} GiB planned ({result['plan_error']:+.1%})", flush=True)
+            result.update(question=label, generated=generated, planned_peak_bytes=planned, plan_error=result["peak_bytes"] / planned - 1)
+            print(
+                f"  {method}: {label}: batch {run_batch}, {generated} tokens; peak {result['peak_bytes'] / 2**30:.2f} GiB "
+                f"measured vs {planned / 2**30:.2f} GiB planned ({result['plan_error']:+.1%})",
+                flush=True,
+            )
             rows.append(result)
     torch.cuda.set_per_process_memory_fraction(1.0, device)
     return rows
@@ -168,8 +183,7 @@ def throughput(model, planner, device, methods, batches_of, graphed=False, full_
     for method in methods:
         largest = planner.largest_batch(None if method == "bf16" else method, PROMPT, GENERATED, budget)
         for batch in batches_of(largest):
-            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS, graphed=graphed,
-                                full_run=batch == full_run_batch)
+            result = run_method(model, method, batch, PROMPT + GENERATED + 16, LENGTHS, graphed=graphed, full_run=batch == full_run_batch)
             if "ms_per_step" in result:
                 result["tokens_per_s"] = integrated_throughput(batch, result["ms_per_step"])
                 print(f"  {method:8s} B={batch:4d}: {result['tokens_per_s']:9.0f} tokens/s over {GENERATED} steps", flush=True)
@@ -222,8 +236,11 @@ def time_to_first_token(model, device, prompt_tokens=16384, repeats=3) -> dict:
         PNMixLayer._select_pairs = selecting
         unpatch_model(model)
     result["selection_overhead"] = result["pnmix_ms"] / result["pnmix_without_selection_ms"] - 1
-    print(f"  TTFT at {prompt_tokens}: bf16 {result['bf16_ms']:.1f} ms, PN-Mix {result['pnmix_ms']:.1f} ms, "
-          f"without selection {result['pnmix_without_selection_ms']:.1f} ms: selection adds {result['selection_overhead']:+.2%}", flush=True)
+    print(
+        f"  TTFT at {prompt_tokens}: bf16 {result['bf16_ms']:.1f} ms, PN-Mix {result['pnmix_ms']:.1f} ms, "
+        f"without selection {result['pnmix_without_selection_ms']:.1f} ms: selection adds {result['selection_overhead']:+.2%}",
+        flush=True,
+    )
     return result
 
 
@@ -255,10 +272,16 @@ def main() -> None:
     parser.add_argument("--parts", default="capacity,throughput,ttft")
     parser.add_argument("--methods", default="bf16,pnmix-1")
     parser.add_argument("--batches", default="32,128,largest", help="throughput batches ('largest': the planned largest)")
-    parser.add_argument("--graphed", action="store_true",
-                        help="throughput part: replay the compiled steps with GraphedDecodeStep (no per-call guards)")
-    parser.add_argument("--full-run", type=int, default=None, metavar="BATCH",
-                        help="throughput part: at this batch (one of --batches) also decode all 8K steps for real")
+    parser.add_argument(
+        "--graphed", action="store_true", help="throughput part: replay the compiled steps with GraphedDecodeStep (no per-call guards)"
+    )
+    parser.add_argument(
+        "--full-run",
+        type=int,
+        default=None,
+        metavar="BATCH",
+        help="throughput part: at this batch (one of --batches) also decode all 8K steps for real",
+    )
     parser.add_argument("--ttft-repeats", type=int, default=3, help="timed prefills per cache (median; after a warm-up)")
     args = parser.parse_args()
     if args.plot:
@@ -290,16 +313,26 @@ def main() -> None:
         print("time to first token", flush=True)
         report["ttft"] = time_to_first_token(model, device, repeats=args.ttft_repeats)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    report.update({
-        "date": time.strftime("%Y-%m-%d"), "commit": commit, "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "host": platform.node(), "seconds": round(time.time() - started, 1),
-        "command": "python benchmarks/bench_throughput.py" + "".join(
-            f" --{name.replace('_', '-')}" + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
-            for name in ("parts", "methods", "batches", "graphed", "full_run", "ttft_repeats") if getattr(args, name) != parser.get_default(name)
-        ),
-    })  # fmt: skip
+    report.update(
+        {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": commit,
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "host": platform.node(),
+            "seconds": round(time.time() - started, 1),
+            "command": "python benchmarks/bench_throughput.py"
+            + "".join(
+                f" --{name.replace('_', '-')}" + ("" if getattr(args, name) is True else f" {getattr(args, name)}")
+                for name in ("parts", "methods", "batches", "graphed", "full_run", "ttft_repeats")
+                if getattr(args, name) != parser.get_default(name)
+            ),
+        }
+    )
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / f"bench_throughput_{'_'.join(parts)}_{'_'.join(methods)}{'_graphed' if args.graphed else ''}.json").write_text(json.dumps(report, indent=2))
+    (Path(args.out) / f"bench_throughput_{'_'.join(parts)}_{'_'.join(methods)}{'_graphed' if args.graphed else ''}.json").write_text(
+        json.dumps(report, indent=2)
+    )
 
 
 if __name__ == "__main__":

@@ -31,13 +31,15 @@ from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
 from pnmix_patch.reference.quantize import channel_order
 
-
 # ---------------------------------------------------------------------------- timing and reports
-PRESETS = {name: PNMixConfig(**params, name=name) for name, params in {
-    "pnmix-1": {},
-    "pnmix-2": {"pair_ratio": 0.4, "key_group_size": 64},
-    "kivi-2": {"pair_ratio": 1.0, "key_bits_high": 2, "key_bits_low": 2},
-}.items()}  # fmt: skip
+PRESETS = {
+    name: PNMixConfig(**params, name=name)
+    for name, params in {
+        "pnmix-1": {},
+        "pnmix-2": {"pair_ratio": 0.4, "key_group_size": 64},
+        "kivi-2": {"pair_ratio": 1.0, "key_bits_high": 2, "key_bits_low": 2},
+    }.items()
+}
 
 
 Q_HEADS, KV_HEADS, HEAD_DIM, SINKS, RESIDUAL = 32, 8, 128, 32, 128
@@ -99,9 +101,19 @@ def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, rag
 
     query = torch.randn(batch, Q_HEADS, HEAD_DIM, device=device, dtype=dtype)
     return (
-        query, order, dense(SINKS), dense(SINKS), sink_len, *key_parts, *value_parts, num_groups,
-        dense(RESIDUAL), dense(RESIDUAL), residual_len, HEAD_DIM**-0.5,
-    )  # fmt: skip
+        query,
+        order,
+        dense(SINKS),
+        dense(SINKS),
+        sink_len,
+        *key_parts,
+        *value_parts,
+        num_groups,
+        dense(RESIDUAL),
+        dense(RESIDUAL),
+        residual_len,
+        HEAD_DIM**-0.5,
+    )
 
 
 def report_writer(out: str, name: str, script: str) -> callable:
@@ -110,10 +122,14 @@ def report_writer(out: str, name: str, script: str) -> callable:
     ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
     time limit) leaves the rows it timed, with ``"complete": false``."""
     started = time.time()
-    header = {"date": time.strftime("%Y-%m-%d"),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
-              "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host": platform.node(),
-              "command": " ".join([f"python {script}"] + sys.argv[1:])}  # fmt: skip
+    header = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "host": platform.node(),
+        "command": " ".join([f"python {script}"] + sys.argv[1:]),
+    }
     path = Path(out) / name
     path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -154,6 +170,7 @@ def check_decode_append(device) -> dict:
     order = channel_order(torch.rand(batch, heads, dim, generator=generator).argsort(-1) < 64)  # 64 high channels
     results = {}
     for dtype in (torch.bfloat16, torch.float16):
+
         def randn(*shape, dtype=dtype):
             return torch.randn(*shape, generator=generator).to(dtype)
 
@@ -162,16 +179,27 @@ def check_decode_append(device) -> dict:
 
         scale_dtype = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
         args = [
-            randn(batch, heads, dim), randn(batch, heads, dim), order,
-            randn(batch, heads, sinks, dim), randn(batch, heads, sinks, dim), torch.tensor([3, 32, 32, 32, 32], dtype=torch.int32),
-            randn(batch, heads, residual, dim) * 3, randn(batch, heads, residual, dim), torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
-            codes(batch, heads, group_cap, 3, group // 32, 64), codes(batch, heads, group_cap, 1, group // 32, 64),
-            randn(batch, heads, group_cap, dim, dtype=scale_dtype), randn(batch, heads, group_cap, dim, dtype=scale_dtype),
+            randn(batch, heads, dim),
+            randn(batch, heads, dim),
+            order,
+            randn(batch, heads, sinks, dim),
+            randn(batch, heads, sinks, dim),
+            torch.tensor([3, 32, 32, 32, 32], dtype=torch.int32),
+            randn(batch, heads, residual, dim) * 3,
+            randn(batch, heads, residual, dim),
+            torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
+            codes(batch, heads, group_cap, 3, group // 32, 64),
+            codes(batch, heads, group_cap, 1, group // 32, 64),
+            randn(batch, heads, group_cap, dim, dtype=scale_dtype),
+            randn(batch, heads, group_cap, dim, dtype=scale_dtype),
             codes(batch, heads, group_cap * group, 2, dim // 32),
-            randn(batch, heads, group_cap * group, 1, dtype=scale_dtype), randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
-            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32), torch.zeros(batch, dtype=torch.bool),
-            torch.zeros(batch, dtype=torch.int32), True,
-        ]  # fmt: skip
+            randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
+            randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
+            torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32),
+            torch.zeros(batch, dtype=torch.bool),
+            torch.zeros(batch, dtype=torch.int32),
+            True,
+        ]
         expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         decode_append_reference(*expected)
         on_device = [a.to(device) if isinstance(a, torch.Tensor) else a for a in args]

@@ -49,7 +49,11 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.cuda.get_device_name(ids.device) if ids.is_cuda else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    device = (
+        torch.cuda.get_device_name(ids.device)
+        if ids.is_cuda
+        else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    )
     for name in args.variants:
         started = time.perf_counter()
         result = teacher_force(model, ids, VARIANTS[name], args.prefill, reference)

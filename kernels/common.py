@@ -33,11 +33,10 @@ PDL = os.environ.get("PNMIX_PDL", "0") == "1"
 and the decode-attention split and merge kernels) with programmatic dependent launch where the GPU and
 Triton have it (:func:`has_pdl`, :func:`launch_pdl`). Off unless ``PNMIX_PDL=1`` is set at import;
 :func:`programmatic_dependent_launch` overrides it within a block (:class:`~pnmix_patch.GraphedDecodeStep`
-turns it on around its own warm-up and capture, with Inductor's kernels launched the same way). Measured
-on an H200 (``benchmarks/bench_decode.py --pdl-ab``, graphed, both the library's and Inductor's kernels
-with PDL; ``benchmarks/RESULTS.md``, twenty-fourth session): 0.968-0.971x the step's time at 32K and
-0.990-0.993x at 1K (medians of turns, Qwen3-8B and Llama-3.1-8B); the library's kernels alone (twenty-second
-session, with an earlier placement of the signal) gained nothing."""
+turns it on around its own warm-up and capture, with Inductor's kernels launched the same way). On an
+H200, graphed, with both the library's and Inductor's kernels launched so, a decode step takes
+0.968-0.971x its time without PDL at 32K and 0.990-0.993x at 1K (Qwen3-8B and Llama-3.1-8B;
+``benchmarks/bench_decode.py --pdl-ab``, ``docs/performance.md``)."""
 
 _pdl_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("pnmix_pdl", default=None)
 
@@ -119,8 +118,9 @@ def key_word_distances(codes_high: torch.Tensor, codes_low: torch.Tensor) -> dic
     key codes tensors ``[B, H, groups, b, G/32, C]``: each tensor's word order
     (``quantize.key_word_distance``)."""
     group_size = 32 * codes_high.shape[4]
-    return dict(HIGH_DISTANCE=key_word_distance(group_size, codes_high.shape[-1]),
-                LOW_DISTANCE=key_word_distance(group_size, codes_low.shape[-1]))
+    return dict(
+        HIGH_DISTANCE=key_word_distance(group_size, codes_high.shape[-1]), LOW_DISTANCE=key_word_distance(group_size, codes_low.shape[-1])
+    )
 
 
 def nonempty(tensor: torch.Tensor) -> torch.Tensor:
@@ -177,9 +177,21 @@ def let_next_kernel_launch(PDL: tl.constexpr):
 
 @triton.jit
 def merge_splits_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, overflow_ptr, num_q_heads, num_splits,
-    s_ob, s_oh, s_od,
-    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, HAS_OVERFLOW: tl.constexpr, PDL: tl.constexpr = False,
+    m_ptr,
+    l_ptr,
+    acc_ptr,
+    out_ptr,
+    overflow_ptr,
+    num_q_heads,
+    num_splits,
+    s_ob,
+    s_oh,
+    s_od,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_OVERFLOW: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Merge the splits of one (sequence, query head): log-sum-exp weighted sum; zeros for no
     valid token, NaN where a split's sum is NaN (a non-finite cached value) and for a sequence
@@ -197,7 +209,8 @@ def merge_splits_kernel(
     l = tl.load(l_ptr + row * num_splits + offs_s, mask=s_mask, other=0.0)
     acc = tl.load(
         acc_ptr + (row * num_splits + offs_s)[:, None] * D + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     let_next_kernel_launch(PDL)
     m_max = tl.max(m, 0)
@@ -217,8 +230,8 @@ def multiprocessors(device_index: int) -> int:
 
 MIN_WAVE_FILL = 0.95
 """Least fraction of the program slots of all waves that the split programs keep busy: a last
-wave that is barely started costs almost a whole wave (``--sweep-splits``: at batch 8, 576
-programs on 528 slots took 408 µs, 512 programs 305 µs)."""
+wave that is barely started costs almost a whole wave (``bench_attention.py --sweep-splits``: at batch 8, 576
+programs on 528 slots take 408 µs, 512 programs 305 µs)."""
 
 
 @functools.cache
@@ -252,11 +265,27 @@ def kernel_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def split_and_merge(
-    split_kernel, constants: dict, num_splits: int, overflowed: torch.Tensor | None, scaling: float,
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len,
+    split_kernel,
+    constants: dict,
+    num_splits: int,
+    overflowed: torch.Tensor | None,
+    scaling: float,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
 ) -> torch.Tensor:
     """Run ``split_kernel`` (the Triton one of ``decode_attention``, or the Gluon one of ``decode_attention_mma``: same
     arguments) on the grid ``(B * H, num_splits)`` with ``constants`` (its constexprs and launch
@@ -271,26 +300,67 @@ def split_and_merge(
     tensors = [
         kernel_view(t)
         for t in (
-            query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero,
-            value_codes, value_scale, value_zero, residual_keys, residual_values,
+            query,
+            order,
+            sink_keys,
+            sink_values,
+            key_codes_high,
+            key_codes_low,
+            key_scale,
+            key_zero,
+            value_codes,
+            value_scale,
+            value_zero,
+            residual_keys,
+            residual_values,
         )
     ]
     query, order, sink_keys, sink_values, key_codes_high, key_codes_low, key_scale, key_zero = tensors[:8]
     value_codes, value_scale, value_zero, residual_keys, residual_values = tensors[8:]
     pdl = launch_pdl(query)
     split_kernel[(batch * heads, num_splits)](
-        query, order, sink_keys, sink_values, sink_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len,
-        m, l, acc,
-        scaling * math.log2(math.e), heads, num_splits, *capacities,
+        query,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        residual_keys,
+        residual_values,
+        residual_len,
+        m,
+        l,
+        acc,
+        scaling * math.log2(math.e),
+        heads,
+        num_splits,
+        *capacities,
         *(stride for t in tensors for stride in t.stride()[:2]),
-        PDL=pdl, launch_pdl=pdl, **constants,
+        PDL=pdl,
+        launch_pdl=pdl,
+        **constants,
     )
     merge_splits_kernel[(batch * q_heads,)](
-        m, l, acc, out, m if overflowed is None else overflowed, q_heads, num_splits, *out.stride(),
-        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_S=triton.next_power_of_2(num_splits),
-        HAS_OVERFLOW=overflowed is not None, PDL=pdl, launch_pdl=pdl,
+        m,
+        l,
+        acc,
+        out,
+        m if overflowed is None else overflowed,
+        q_heads,
+        num_splits,
+        *out.stride(),
+        D=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+        HAS_OVERFLOW=overflowed is not None,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

@@ -29,8 +29,8 @@ programs to arrive writes the new lengths and sets the counter back to zero.
 ``pnmix::decode_rotate_append`` takes the token's query and key before the q/k norms (Qwen3)
 and RoPE and does those too, in the same programs (each also rotates the query heads of its
 KV head) and returns the rotated queries: at batch 1 a decode step is a chain of a few
-hundred short kernels, and compiled, the norms and RoPE of queries and keys took two of
-them per layer besides this one.
+hundred short kernels, and compiled on their own, the norms and RoPE of queries and keys take
+two of them per layer besides this one.
 """
 
 from __future__ import annotations
@@ -46,16 +46,42 @@ from .pack_keys import pack_key_group
 from .pack_values import BLOCK_T, pack_value_tokens, value_layout
 
 _MUTATED = (
-    "sink_keys", "sink_values", "sink_len", "residual_keys", "residual_values", "residual_len",
-    "key_codes_high", "key_codes_low", "key_scale", "key_zero",
-    "value_codes", "value_scale", "value_zero", "num_groups", "overflowed", "arrivals",
-)  # fmt: skip
+    "sink_keys",
+    "sink_values",
+    "sink_len",
+    "residual_keys",
+    "residual_values",
+    "residual_len",
+    "key_codes_high",
+    "key_codes_low",
+    "key_scale",
+    "key_zero",
+    "value_codes",
+    "value_scale",
+    "value_zero",
+    "num_groups",
+    "overflowed",
+    "arrivals",
+)
 
 
 @triton.jit
 def _rotate_rows(
-    base, row_stride, rows, row_mask, offs_d, partner, sign, d_mask, cos, sin, weight, weight_partner, eps,
-    D: tl.constexpr, NORM: tl.constexpr,
+    base,
+    row_stride,
+    rows,
+    row_mask,
+    offs_d,
+    partner,
+    sign,
+    d_mask,
+    cos,
+    sin,
+    weight,
+    weight_partner,
+    eps,
+    D: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Rows ``[R, BLOCK_D]`` at ``base + rows * row_stride`` through transformers' RMSNorm (``NORM``:
     float32 variance and scale, back to the input dtype, times the weight) and RoPE with the
@@ -78,27 +104,104 @@ def _rotate_rows(
 
 @triton.jit
 def _append_token_kernel(
-    key_ptr, value_ptr, order_ptr,
-    sink_k_ptr, sink_v_ptr, sink_len_ptr,
-    res_k_ptr, res_v_ptr, res_len_ptr,
-    high_ptr, low_ptr, k_scale_ptr, k_zero_ptr, vc_ptr, v_scale_ptr, v_zero_ptr,
-    num_groups_ptr, overflow_ptr, arrivals_ptr,
-    query_ptr, query_out_ptr, cos_ptr, sin_ptr, query_weight_ptr, key_weight_ptr, eps,
-    s_qb, s_qh, s_qob, s_qoh, s_cosb, s_sinb,
-    num_heads, sink_cap, residual_cap, group_cap, per_flush,
-    s_kb, s_kh, s_vb, s_vh, s_ob, s_oh, s_od,
-    s_skb, s_skh, s_skt, s_svb, s_svh, s_svt,
-    s_rkb, s_rkh, s_rkt, s_rkd, s_rvb, s_rvh, s_rvt, s_rvd,
-    s_hb, s_hh, s_hg, s_hp, s_hw, s_hc,
-    s_lb, s_lh, s_lg, s_lp, s_lw, s_lc,
-    s_sb, s_sh, s_sg, s_sd,
-    s_cb, s_ch,
-    s_vsb, s_vsh, s_vst, s_vsg,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_HIGH: tl.constexpr, G: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
-    GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr, BITS: tl.constexpr,
-    MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
-    ROTATE: tl.constexpr = False, NORM: tl.constexpr = False, RATIO: tl.constexpr = 1, BLOCK_R: tl.constexpr = 1,
+    key_ptr,
+    value_ptr,
+    order_ptr,
+    sink_k_ptr,
+    sink_v_ptr,
+    sink_len_ptr,
+    res_k_ptr,
+    res_v_ptr,
+    res_len_ptr,
+    high_ptr,
+    low_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    vc_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    num_groups_ptr,
+    overflow_ptr,
+    arrivals_ptr,
+    query_ptr,
+    query_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    query_weight_ptr,
+    key_weight_ptr,
+    eps,
+    s_qb,
+    s_qh,
+    s_qob,
+    s_qoh,
+    s_cosb,
+    s_sinb,
+    num_heads,
+    sink_cap,
+    residual_cap,
+    group_cap,
+    per_flush,
+    s_kb,
+    s_kh,
+    s_vb,
+    s_vh,
+    s_ob,
+    s_oh,
+    s_od,
+    s_skb,
+    s_skh,
+    s_skt,
+    s_svb,
+    s_svh,
+    s_svt,
+    s_rkb,
+    s_rkh,
+    s_rkt,
+    s_rkd,
+    s_rvb,
+    s_rvh,
+    s_rvt,
+    s_rvd,
+    s_hb,
+    s_hh,
+    s_hg,
+    s_hp,
+    s_hw,
+    s_hc,
+    s_lb,
+    s_lh,
+    s_lg,
+    s_lp,
+    s_lw,
+    s_lc,
+    s_sb,
+    s_sh,
+    s_sg,
+    s_sd,
+    s_cb,
+    s_ch,
+    s_vsb,
+    s_vsh,
+    s_vst,
+    s_vsg,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_HIGH: tl.constexpr,
+    G: tl.constexpr,
+    BITS_HIGH: tl.constexpr,
+    BITS_LOW: tl.constexpr,
+    GV: tl.constexpr,
+    NG_PAD: tl.constexpr,
+    GV_PAD: tl.constexpr,
+    BITS: tl.constexpr,
+    MIDPOINT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    HIGH_DISTANCE: tl.constexpr,
+    LOW_DISTANCE: tl.constexpr,
+    ROTATE: tl.constexpr = False,
+    NORM: tl.constexpr = False,
+    RATIO: tl.constexpr = 1,
+    BLOCK_R: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     b = tl.program_id(0).to(tl.int64)
@@ -123,15 +226,41 @@ def _append_token_kernel(
         # This KV head's query heads h * RATIO .. h * RATIO + RATIO - 1.
         rows = tl.arange(0, BLOCK_R)
         query = _rotate_rows(
-            query_ptr + b * s_qb + h * RATIO * s_qh, s_qh, rows, rows < RATIO, offs_d, partner, sign, mask,
-            cos, sin, query_weight, query_weight_partner, eps, D, NORM,
+            query_ptr + b * s_qb + h * RATIO * s_qh,
+            s_qh,
+            rows,
+            rows < RATIO,
+            offs_d,
+            partner,
+            sign,
+            mask,
+            cos,
+            sin,
+            query_weight,
+            query_weight_partner,
+            eps,
+            D,
+            NORM,
         )
         out = query_out_ptr + b * s_qob + (h * RATIO + rows[:, None]) * s_qoh + offs_d[None, :]
         tl.store(out, query, mask=(rows < RATIO)[:, None] & mask[None, :])
         one_row = tl.arange(0, 1)
         key = _rotate_rows(
-            key_ptr + b * s_kb + h * s_kh, 0, one_row, one_row < 1, offs_d, partner, sign, mask,
-            cos, sin, key_weight, key_weight_partner, eps, D, NORM,
+            key_ptr + b * s_kb + h * s_kh,
+            0,
+            one_row,
+            one_row < 1,
+            offs_d,
+            partner,
+            sign,
+            mask,
+            cos,
+            sin,
+            key_weight,
+            key_weight_partner,
+            eps,
+            D,
+            NORM,
         )
     else:
         key = tl.expand_dims(tl.load(key_ptr + b * s_kb + h * s_kh + offs_d, mask=mask), 0)  # [1, BLOCK_D] as rotated
@@ -153,21 +282,60 @@ def _append_token_kernel(
         # Quantize this head's full buffer into groups num_groups .. num_groups + per_flush.
         for group in range(per_flush):
             pack_key_group(
-                res_k, order_ptr + b * s_ob + h * s_oh,
-                high_ptr + b * s_hb + h * s_hh, low_ptr + b * s_lb + h * s_lh,
-                k_scale_ptr + b * s_sb + h * s_sh, k_zero_ptr + b * s_sb + h * s_sh,
-                group, num_groups + group,
-                s_rkt, s_rkd, s_od, s_hg, s_hp, s_hw, s_hc, s_lg, s_lp, s_lw, s_lc, s_sg, s_sd,
-                NUM_HIGH, D, BLOCK_D, G, BITS_HIGH, BITS_LOW, MIDPOINT, HIGH_DISTANCE, LOW_DISTANCE,
+                res_k,
+                order_ptr + b * s_ob + h * s_oh,
+                high_ptr + b * s_hb + h * s_hh,
+                low_ptr + b * s_lb + h * s_lh,
+                k_scale_ptr + b * s_sb + h * s_sh,
+                k_zero_ptr + b * s_sb + h * s_sh,
+                group,
+                num_groups + group,
+                s_rkt,
+                s_rkd,
+                s_od,
+                s_hg,
+                s_hp,
+                s_hw,
+                s_hc,
+                s_lg,
+                s_lp,
+                s_lw,
+                s_lc,
+                s_sg,
+                s_sd,
+                NUM_HIGH,
+                D,
+                BLOCK_D,
+                G,
+                BITS_HIGH,
+                BITS_LOW,
+                MIDPOINT,
+                HIGH_DISTANCE,
+                LOW_DISTANCE,
             )
         offs_t = tl.arange(0, BLOCK_T)
         for start in range(0, residual_cap, BLOCK_T):
             tokens = start + offs_t
             pack_value_tokens(
-                res_v, vc_ptr + b * s_cb + h * s_ch,
-                v_scale_ptr + b * s_vsb + h * s_vsh, v_zero_ptr + b * s_vsb + h * s_vsh,
-                tokens, tokens < residual_cap, num_groups.to(tl.int64) * G + tokens, tokens < residual_cap,
-                s_rvt, s_rvd, s_vst, s_vsg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT, G,
+                res_v,
+                vc_ptr + b * s_cb + h * s_ch,
+                v_scale_ptr + b * s_vsb + h * s_vsh,
+                v_zero_ptr + b * s_vsb + h * s_vsh,
+                tokens,
+                tokens < residual_cap,
+                num_groups.to(tl.int64) * G + tokens,
+                tokens < residual_cap,
+                s_rvt,
+                s_rvd,
+                s_vst,
+                s_vsg,
+                D,
+                GV,
+                NG_PAD,
+                GV_PAD,
+                BITS,
+                MIDPOINT,
+                G,
             )
         tl.debug_barrier()  # every thread has read the buffer before slot 0 is overwritten
 
@@ -190,11 +358,27 @@ def _append_token_kernel(
 
 
 def triton_decode_append(
-    key, value, order, sink_keys, sink_values, sink_len,
-    residual_keys, residual_values, residual_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals,
-    midpoint_correction: bool, rotation: tuple | None = None,
+    key,
+    value,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    residual_keys,
+    residual_values,
+    residual_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    overflowed,
+    arrivals,
+    midpoint_correction: bool,
+    rotation: tuple | None = None,
 ) -> torch.Tensor | None:
     """Launch the fused flush-and-append kernel, one program per (sequence, KV head). ``rotation``:
     ``(query, cos, sin, query_norm_weight, key_norm_weight, norm_eps)`` of :func:`decode_rotate_append`
@@ -225,30 +409,71 @@ def triton_decode_append(
         ratio = query.shape[1] // heads
         constants = dict(ROTATE=True, NORM=query_weight is not None, RATIO=ratio, BLOCK_R=triton.next_power_of_2(ratio))
         rotation_args = (
-            query, query_out, cos, sin, key if query_weight is None else query_weight, key if key_weight is None else key_weight,
-            eps, *query.stride()[:2], *query_out.stride()[:2],
-            cos.stride(0) if cos.shape[0] > 1 else 0, sin.stride(0) if sin.shape[0] > 1 else 0,  # [1, 1, D]: one position for all
-        )  # fmt: skip
+            query,
+            query_out,
+            cos,
+            sin,
+            key if query_weight is None else query_weight,
+            key if key_weight is None else key_weight,
+            eps,
+            *query.stride()[:2],
+            *query_out.stride()[:2],
+            cos.stride(0) if cos.shape[0] > 1 else 0,
+            sin.stride(0) if sin.shape[0] > 1 else 0,  # [1, 1, D]: one position for all
+        )
     pdl = launch_pdl(key)
     _append_token_kernel[(batch, heads)](
-        key, value, order, sinks_k, sinks_v, sink_len,
-        residual_k, residual_v, residual_len,
-        high, low, k_scale, k_zero, v_codes, v_scale, v_zero,
-        num_groups, overflowed, arrivals, *rotation_args,
-        heads, sink_cap, residual_cap, group_cap, residual_cap // group_size,
-        *key.stride()[:2], *value.stride()[:2], *order.stride(),
-        *sink_keys.stride()[:3], *sink_values.stride()[:3],
-        *residual_keys.stride(), *residual_values.stride(),
-        *key_codes_high.stride(), *key_codes_low.stride(), *key_scale.stride(), *value_codes.stride()[:2],
+        key,
+        value,
+        order,
+        sinks_k,
+        sinks_v,
+        sink_len,
+        residual_k,
+        residual_v,
+        residual_len,
+        high,
+        low,
+        k_scale,
+        k_zero,
+        v_codes,
+        v_scale,
+        v_zero,
+        num_groups,
+        overflowed,
+        arrivals,
+        *rotation_args,
+        heads,
+        sink_cap,
+        residual_cap,
+        group_cap,
+        residual_cap // group_size,
+        *key.stride()[:2],
+        *value.stride()[:2],
+        *order.stride(),
+        *sink_keys.stride()[:3],
+        *sink_values.stride()[:3],
+        *residual_keys.stride(),
+        *residual_values.stride(),
+        *key_codes_high.stride(),
+        *key_codes_low.stride(),
+        *key_scale.stride(),
+        *value_codes.stride()[:2],
         *value_scale.stride(),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        NUM_HIGH=key_codes_high.shape[-1], G=group_size,
-        BITS_HIGH=key_codes_high.shape[3], BITS_LOW=key_codes_low.shape[3],
+        NUM_HIGH=key_codes_high.shape[-1],
+        G=group_size,
+        BITS_HIGH=key_codes_high.shape[3],
+        BITS_LOW=key_codes_low.shape[3],
         **key_word_distances(key_codes_high, key_codes_low),
         **value_layout(head_dim, value_scale.shape[-1], value_codes.shape[3]),  # D, GV, ...
-        MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T, **constants, PDL=pdl, launch_pdl=pdl,
+        MIDPOINT=midpoint_correction,
+        BLOCK_T=BLOCK_T,
+        **constants,
+        PDL=pdl,
+        launch_pdl=pdl,
         enable_fp_fusion=False,  # the quantizers' codes must match torch (kernels/common.py)
-    )  # fmt: skip
+    )
     return query_out
 
 
@@ -298,10 +523,25 @@ def rotate_half_reference(query, key, cos, sin, query_norm_weight=None, key_norm
 
 
 def decode_append_reference(
-    key, value, order, sink_keys, sink_values, sink_len,
-    residual_keys, residual_values, residual_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups, overflowed, arrivals,
+    key,
+    value,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    residual_keys,
+    residual_values,
+    residual_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    overflowed,
+    arrivals,
     midpoint_correction: bool,
 ) -> None:
     """PyTorch reference of the three steps in the module docstring, sequence by sequence.
@@ -323,13 +563,21 @@ def decode_append_reference(
             tokens = slice(groups.start * group_size, groups.stop * group_size)
             channel_mask = torch.zeros_like(order[b : b + 1], dtype=torch.bool).scatter_(-1, order[b : b + 1, :, :num_high], True)
             high, low, scale, zero = quantize_keys(
-                residual_keys[b : b + 1], channel_mask, num_high, group_size,
-                key_codes_high.shape[3], key_codes_low.shape[3], midpoint_correction,
-            )  # fmt: skip
+                residual_keys[b : b + 1],
+                channel_mask,
+                num_high,
+                group_size,
+                key_codes_high.shape[3],
+                key_codes_low.shape[3],
+                midpoint_correction,
+            )
             key_codes_high[b, :, groups], key_codes_low[b, :, groups] = high[0], low[0]
             key_scale[b, :, groups], key_zero[b, :, groups] = scale[0], zero[0]
             codes, scale, zero = quantize_values(
-                residual_values[b : b + 1], value_codes.shape[3], key.shape[-1] // value_scale.shape[-1], midpoint_correction,
+                residual_values[b : b + 1],
+                value_codes.shape[3],
+                key.shape[-1] // value_scale.shape[-1],
+                midpoint_correction,
                 group_size,
             )
             value_codes[b, :, tokens], value_scale[b, :, tokens], value_zero[b, :, tokens] = codes[0], scale[0], zero[0]
@@ -373,11 +621,27 @@ def decode_append(
     implementation is :func:`decode_append_reference`; CUDA runs Triton.
     """
     decode_append_reference(
-        key, value, order, sink_keys, sink_values, sink_len,
-        residual_keys, residual_values, residual_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
-    )  # fmt: skip
+        key,
+        value,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        residual_keys,
+        residual_values,
+        residual_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        overflowed,
+        arrivals,
+        midpoint_correction,
+    )
 
 
 @decode_append.register_kernel("cuda")
@@ -428,11 +692,27 @@ def decode_rotate_append(
     check_rotation(query, key, cos, sin, query_norm_weight, key_norm_weight)
     query, key = rotate_half_reference(query, key, cos, sin, query_norm_weight, key_norm_weight, norm_eps)
     decode_append_reference(
-        key, value, order, sink_keys, sink_values, sink_len,
-        residual_keys, residual_values, residual_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups, overflowed, arrivals, midpoint_correction,
-    )  # fmt: skip
+        key,
+        value,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        residual_keys,
+        residual_values,
+        residual_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        overflowed,
+        arrivals,
+        midpoint_correction,
+    )
     return query.contiguous()
 
 

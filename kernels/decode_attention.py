@@ -36,9 +36,9 @@ inputs use exact ``ieee`` dots (for tests).
 
 On CUDA the op runs the Gluon kernel of :mod:`.decode_attention_mma` where it applies
 (``supports``: fp16/bf16, head dim 64 or 128, ...): it shares this module's merge kernel
-and launcher (:func:`split_and_merge`) and is 2.5-7.2x faster on an H200 at batch 8 to 64
-(1.2-5.2x at batch 1; ``benchmarks/results/bench_attention_value_fields.json``). This Triton
-kernel serves the other shapes and is the one the CPU interpreter tests.
+and launcher (:func:`split_and_merge`) and is several times faster on an H200
+(``docs/performance.md``). This Triton kernel serves the other shapes and is the one the CPU
+interpreter tests.
 
 Limits: ``D``, ``G`` and the value group size multiples of 32, bits <= 8, ``Hq`` a
 multiple of ``H``. Tensors may have any batch/head strides (views sliced along the
@@ -50,7 +50,6 @@ be contiguous, else they are copied.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import torch
 import triton
@@ -59,7 +58,14 @@ import triton.language as tl
 from pnmix_patch.reference.attention import masked_attention
 from pnmix_patch.reference.quantize import dequantize_keys, dequantize_values
 
-from .common import key_word_distances, let_next_kernel_launch, multiprocessors, split_and_merge, wait_for_previous_kernel, wave_filling_splits
+from .common import (
+    key_word_distances,
+    let_next_kernel_launch,
+    multiprocessors,
+    split_and_merge,
+    wait_for_previous_kernel,
+    wave_filling_splits,
+)
 
 BLOCK_N_DENSE = 64
 """Tokens per step over sinks and residual."""
@@ -78,8 +84,18 @@ def _softmax_step(m_i, l_i, acc, scores, v, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def _attend_dense(
-    q, m_i, l_i, acc, k_ptr, v_ptr, length, offs_d, d_mask,
-    D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_ptr,
+    v_ptr,
+    length,
+    offs_d,
+    d_mask,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Attend to ``length`` full-precision ``[tokens, D]`` rows at ``k_ptr``/``v_ptr``."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -130,8 +146,21 @@ def _key_chunk_step(word, C: tl.constexpr, DISTANCE: tl.constexpr):
 
 
 @triton.jit
-def _or_key_plane(codes, plane_ptrs, field_ptrs, bit, field_bit, mask, group, step, p: tl.constexpr, BITS: tl.constexpr,
-                  PAIRED: tl.constexpr, WORDS: tl.constexpr, C: tl.constexpr):
+def _or_key_plane(
+    codes,
+    plane_ptrs,
+    field_ptrs,
+    bit,
+    field_bit,
+    mask,
+    group,
+    step,
+    p: tl.constexpr,
+    BITS: tl.constexpr,
+    PAIRED: tl.constexpr,
+    WORDS: tl.constexpr,
+    C: tl.constexpr,
+):
     """``codes`` with plane ``p`` of group ``group`` of one key codes tensor (``C`` channels) ORed in at
     bit ``p``: pointers and bits of :func:`_key_bits`, moved to the chunk by ``step`` (words) and the
     bits already. The planes below ``PAIRED`` are pairs stored as 2-bit fields: both bits come from
@@ -162,23 +191,73 @@ def _value_bits(p: tl.constexpr, word, bit, D: tl.constexpr, BITS_V: tl.constexp
 
 @triton.jit
 def _decode_split_kernel(
-    query_ptr, order_ptr,
-    sink_k_ptr, sink_v_ptr, sink_len_ptr,
-    kc_high_ptr, kc_low_ptr, k_scale_ptr, k_zero_ptr,
-    vc_ptr, v_scale_ptr, v_zero_ptr, num_groups_ptr,
-    res_k_ptr, res_v_ptr, res_len_ptr,
-    m_out_ptr, l_out_ptr, acc_out_ptr,
-    qk_scale, num_heads, num_splits, sink_cap, group_cap, residual_cap,
+    query_ptr,
+    order_ptr,
+    sink_k_ptr,
+    sink_v_ptr,
+    sink_len_ptr,
+    kc_high_ptr,
+    kc_low_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    vc_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    num_groups_ptr,
+    res_k_ptr,
+    res_v_ptr,
+    res_len_ptr,
+    m_out_ptr,
+    l_out_ptr,
+    acc_out_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    sink_cap,
+    group_cap,
+    residual_cap,
     # (batch, head) strides; the dims below the head are contiguous.
-    s_qb, s_qh, s_ob, s_oh,
-    s_skb, s_skh, s_svb, s_svh,
-    s_khb, s_khh, s_klb, s_klh, s_ksb, s_ksh, s_kzb, s_kzh,
-    s_vcb, s_vch, s_vsb, s_vsh, s_vzb, s_vzh,
-    s_rkb, s_rkh, s_rvb, s_rvh,
-    RATIO: tl.constexpr, BLOCK_Q: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-    G: tl.constexpr, C_HIGH: tl.constexpr, BITS_HIGH: tl.constexpr, BITS_LOW: tl.constexpr,
-    BITS_V: tl.constexpr, GV: tl.constexpr, HIGH_DISTANCE: tl.constexpr, LOW_DISTANCE: tl.constexpr,
-    BLOCK_N_DENSE: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = False,
+    s_qb,
+    s_qh,
+    s_ob,
+    s_oh,
+    s_skb,
+    s_skh,
+    s_svb,
+    s_svh,
+    s_khb,
+    s_khh,
+    s_klb,
+    s_klh,
+    s_ksb,
+    s_ksh,
+    s_kzb,
+    s_kzh,
+    s_vcb,
+    s_vch,
+    s_vsb,
+    s_vsh,
+    s_vzb,
+    s_vzh,
+    s_rkb,
+    s_rkh,
+    s_rvb,
+    s_rvh,
+    RATIO: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    G: tl.constexpr,
+    C_HIGH: tl.constexpr,
+    BITS_HIGH: tl.constexpr,
+    BITS_LOW: tl.constexpr,
+    BITS_V: tl.constexpr,
+    GV: tl.constexpr,
+    HIGH_DISTANCE: tl.constexpr,
+    LOW_DISTANCE: tl.constexpr,
+    BLOCK_N_DENSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -207,8 +286,18 @@ def _decode_split_kernel(
     # Sinks: split 0 only.
     n_sink = tl.where(split == 0, tl.minimum(tl.load(sink_len_ptr + b), sink_cap), 0)
     m_i, l_i, acc = _attend_dense(
-        q, m_i, l_i, acc, sink_k_ptr + b * s_skb + h * s_skh, sink_v_ptr + b * s_svb + h * s_svh,
-        n_sink, offs_d, d_mask, D, BLOCK_N_DENSE, DOT_PRECISION,
+        q,
+        m_i,
+        l_i,
+        acc,
+        sink_k_ptr + b * s_skb + h * s_skh,
+        sink_v_ptr + b * s_svb + h * s_svh,
+        n_sink,
+        offs_d,
+        d_mask,
+        D,
+        BLOCK_N_DENSE,
+        DOT_PRECISION,
     )
 
     # Packed groups: this split's slice of the sequence's 32-token chunks. Chunk j is
@@ -260,16 +349,40 @@ def _decode_split_kernel(
         low_step, low_bit_step = _key_chunk_step(word, C_LOW, LOW_DISTANCE)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
         for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
-            codes = _or_key_plane(codes, kh_ptrs, kh_field_ptrs, high_bit + high_bit_step, high_field_bit + high_bit_step,
-                                  is_high[None, :], group, high_step, p, BITS_HIGH, HIGH_PAIRED, WORDS, C_HIGH)
-            codes = _or_key_plane(codes, kl_ptrs, kl_field_ptrs, low_bit + low_bit_step, low_field_bit + low_bit_step,
-                                  low_mask[None, :], group, low_step, p, BITS_LOW, LOW_PAIRED, WORDS, C_LOW)
+            codes = _or_key_plane(
+                codes,
+                kh_ptrs,
+                kh_field_ptrs,
+                high_bit + high_bit_step,
+                high_field_bit + high_bit_step,
+                is_high[None, :],
+                group,
+                high_step,
+                p,
+                BITS_HIGH,
+                HIGH_PAIRED,
+                WORDS,
+                C_HIGH,
+            )
+            codes = _or_key_plane(
+                codes,
+                kl_ptrs,
+                kl_field_ptrs,
+                low_bit + low_bit_step,
+                low_field_bit + low_bit_step,
+                low_mask[None, :],
+                group,
+                low_step,
+                p,
+                BITS_LOW,
+                LOW_PAIRED,
+                WORDS,
+                C_LOW,
+            )
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         # q . (zero + code * scale) = (q * scale) . code + q . zero; codes are exact in fp16/bf16.
-        scores = tl.dot(
-            (q_stored * k_scale[None, :]).to(dtype), tl.trans(codes.to(dtype)), input_precision=DOT_PRECISION
-        )
+        scores = tl.dot((q_stored * k_scale[None, :]).to(dtype), tl.trans(codes.to(dtype)), input_precision=DOT_PRECISION)
         scores += tl.sum(q_stored * k_zero[None, :], 1)[:, None]
 
         token = (chunk * 32 + offs_n)[:, None]  # row of the per-token value arrays
@@ -291,8 +404,18 @@ def _decode_split_kernel(
     # Residual: last split only.
     n_res = tl.where(split == num_splits - 1, tl.minimum(tl.load(res_len_ptr + b), residual_cap), 0)
     m_i, l_i, acc = _attend_dense(
-        q, m_i, l_i, acc, res_k_ptr + b * s_rkb + h * s_rkh, res_v_ptr + b * s_rvb + h * s_rvh,
-        n_res, offs_d, d_mask, D, BLOCK_N_DENSE, DOT_PRECISION,
+        q,
+        m_i,
+        l_i,
+        acc,
+        res_k_ptr + b * s_rkb + h * s_rkh,
+        res_v_ptr + b * s_rvb + h * s_rvh,
+        n_res,
+        offs_d,
+        d_mask,
+        D,
+        BLOCK_N_DENSE,
+        DOT_PRECISION,
     )
 
     # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
@@ -321,12 +444,28 @@ def _default_splits(query: torch.Tensor, kv_programs: int, max_chunks: int) -> i
 
 
 def triton_decode_attention(
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len,
-    scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    num_warps: int = 4, num_stages: int = NUM_STAGES, max_registers: int | None = MAX_REGISTERS,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
+    scaling: float,
+    overflowed: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = NUM_STAGES,
+    max_registers: int | None = MAX_REGISTERS,
 ) -> torch.Tensor:
     """Launch the split and combine kernels; arguments as :func:`decode_attention`.
 
@@ -340,37 +479,73 @@ def triton_decode_attention(
     value_group = head_dim // value_scale.shape[-1]
     if q_heads % heads or head_dim % 32 or value_group % 32:
         raise ValueError(
-            f"need Hq={q_heads} a multiple of H={heads}, head_dim={head_dim} and the value group "
-            f"size {value_group} multiples of 32"
+            f"need Hq={q_heads} a multiple of H={heads}, head_dim={head_dim} and the value group size {value_group} multiples of 32"
         )
     if num_splits is None:
         num_splits = _default_splits(query, batch * heads, group_cap * words)
 
     constants = dict(
-        RATIO=q_heads // heads, BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
-        D=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        G=32 * words, C_HIGH=c_high, BITS_HIGH=bits_high, BITS_LOW=key_codes_low.shape[3],
+        RATIO=q_heads // heads,
+        BLOCK_Q=max(16, triton.next_power_of_2(q_heads // heads)),
+        D=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        G=32 * words,
+        C_HIGH=c_high,
+        BITS_HIGH=bits_high,
+        BITS_LOW=key_codes_low.shape[3],
         **key_word_distances(key_codes_high, key_codes_low),
-        BITS_V=value_codes.shape[3], GV=value_group,
+        BITS_V=value_codes.shape[3],
+        GV=value_group,
         BLOCK_N_DENSE=BLOCK_N_DENSE,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages, **({} if max_registers is None else {"maxnreg": max_registers}),
-    )  # fmt: skip
+        num_warps=num_warps,
+        num_stages=num_stages,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
+    )
     return split_and_merge(
-        _decode_split_kernel, constants, num_splits, overflowed, scaling,
-        query, order, sink_keys, sink_values, sink_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len,
-    )  # fmt: skip
+        _decode_split_kernel,
+        constants,
+        num_splits,
+        overflowed,
+        scaling,
+        query,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        residual_keys,
+        residual_values,
+        residual_len,
+    )
 
 
 def decode_attention_reference(
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len,
-    scaling: float, overflowed: torch.Tensor | None = None,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
+    scaling: float,
+    overflowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference: dequantize every segment, masked softmax in float32."""
     group_size = 32 * key_codes_high.shape[4]
@@ -425,7 +600,7 @@ def decode_attention(
     residual_values: torch.Tensor,
     residual_len: torch.Tensor,
     scaling: float,
-    overflowed: Optional[torch.Tensor] = None,
+    overflowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of ``query [B, Hq, D]`` over a PN-Mix cache; returns ``[B, Hq, D]``.
 
@@ -437,10 +612,24 @@ def decode_attention(
     :mod:`.decode_attention_mma` for the shapes it supports, the Triton kernel otherwise.
     """
     return decode_attention_reference(
-        query, order, sink_keys, sink_values, sink_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len, scaling, overflowed,
+        query,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        residual_keys,
+        residual_values,
+        residual_len,
+        scaling,
+        overflowed,
     )
 
 
@@ -457,26 +646,68 @@ def _mma_kernel():
 
 @decode_attention.register_kernel("cuda")
 def _decode_attention_cuda(
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len, scaling, overflowed=None,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
+    scaling,
+    overflowed=None,
 ):
     mma = _mma_kernel()
     use_mma = mma is not None and mma.supports(query, key_codes_high, key_codes_low, value_codes, value_scale, sink_keys.shape[1])
     return (mma.mma_decode_attention if use_mma else triton_decode_attention)(
-        query, order, sink_keys, sink_values, sink_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len, scaling, overflowed,
+        query,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        residual_keys,
+        residual_values,
+        residual_len,
+        scaling,
+        overflowed,
     )
 
 
 @decode_attention.register_fake
 def _decode_attention_fake(
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len, scaling, overflowed=None,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
+    scaling,
+    overflowed=None,
 ):
     return torch.empty_like(query)

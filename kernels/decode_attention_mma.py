@@ -17,7 +17,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   per-channel key scale folds into q, the per-token value scale into p (one value group per
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
-  operand order (``pnmix_patch/reference/quantize.py``), one byte per K column. Thread-owned key words
+  operand order (``pnmix_patch/reference/quantize.py``), one byte per K column, so no word is
+  transposed on the way. Thread-owned key words
   (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word
   of a 32-channel chunk holds all its registers' bits, rows g and g + 8 of its warp's two 16-token
   tiles (:func:`step_tokens` 128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
@@ -25,17 +26,13 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
   (:func:`_key_row_factors`); a pair of planes is two field words, one per half, and ``(word >> row
   half) & 0x03030303 << bit`` reads ``2^bit`` times the pair's 2-bit code, the same factor, so
-  planes and fields share one accumulator (:func:`_key_level_scores`). The fields took pnmix-1's
-  packed loop from 502 to 474 instructions per warp and group (kivi-2 465 -> 414; sm_90, Triton
-  3.7.1, ``benchmarks/results/kernel_sass_*constexpr_defaults.json``) and pnmix-1's time to 0.96-0.98x at batch 1 and 32 on an H200 (bf16,
-  ``benchmarks/results/kernel_ab_key_fields.log``). Else (words byte-transposed in runs of four) a key word holds 8 rows
+  planes and fields share one accumulator (:func:`_key_level_scores`), and a pair of planes costs
+  one AND and one MMA. Else (words byte-transposed in runs of four) a key word holds 8 rows
   x 4 columns, read by the 8 threads of those rows, and ``word & 0x01010101 << j`` is the register
   of row j: ``2^j * bit`` (bit 7 reads -128). Either way the factor (``2^-bit``, ``2^-j``, ``-2^-7``)
-  is the same for all of a row's elements, so it is applied to the MMA results. Measured on an
-  H200 against the byte-transposed words (bf16, ``benchmarks/results/kernel_ab_thread_owned_keys.json``):
-  pnmix-1 0.91-0.96x the time (batch 32 / 32K 279.9 -> 259.0 us), kivi-2 0.90-0.94x; the key
-  words' shared loads went from 32 ``LDS.64`` per warp and step to 4 ``ldmatrix`` of two
-  matrices (``LDSM.16.M88.2``) and 8 shifts (pnmix-1, sm_90 machine code, Triton 3.6).
+  is the same for all of a row's elements, so it is applied to the MMA results. Thread-owned words
+  are the faster order: a warp reads a step's key words with 4 ``ldmatrix`` of two matrices
+  (``LDSM.16.M88.2``) and 8 shifts, where byte quads take 32 ``LDS.64``.
 - Values are stored as 2-bit fields (a pair of planes per word): a word holds 4 channel rows x 4
   token columns, and ``word & 0x03030303 << 2k`` is the register of row k: ``4^k * code``, half
   the ANDs and MMAs of two planes. The top field (k = 3) holds the sign bit of the int8, so the
@@ -56,10 +53,8 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   values' two field words likewise, times 4. The key sums stay far inside
   int32 (at most 128 channels x 15 x 127 x 2^5 = 7.8e6 with 4-bit codes and thread-owned words,
   whose rows read their codes at most 2^5 times too large; 2^7 with byte quads). Their high and
-  low parts are combined as ``128 * high + low`` in int32 for thread-owned words (under 1.01e9)
-  and in float32 for byte quads; the int32 sum cut pnmix-1's packed loop from 509 to 504
-  instructions per warp and group and took 0.98-0.99x the time at batch 32 on an H200 (bf16,
-  ``benchmarks/results/segment_cost_integer_scores.json``).
+  low parts are combined as ``128 * high + low`` in int32 for thread-owned words (under 1.01e9:
+  fewer instructions than in float32) and in float32 for byte quads.
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
   8 columns hold each head twice, its high parts in column 2j and its low parts in column 2j + 1,
   so one MMA makes both (half the MMAs and B-operand loads). A thread's accumulator registers hold
@@ -69,25 +64,16 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 - Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
   rest (``b_L`` planes), so a channel costs only the planes it has; the shared buffer of a group's
   key words holds each tile's planes only, the second tile's after the first's
-  (:func:`_copy_offsets`). Until the thirtieth session it held every channel at the most planes
-  either tile has, rounded up to a power of two, and the copies filled the absent planes with zeros
-  (pnmix-1: 8 KB per group copied for 4 KB of words, two 16-byte ``cp.async`` of four per thread
-  writing zeros); without them pnmix-1 took 0.97-0.98x the time at batch 32 on an H200 (bf16,
-  ``benchmarks/results/segment_cost_copy_check.json``), and pnmix-2 0.93-0.95x its time in the
-  matrix before (``bench_attention_compact_key_copy.json``).
+  (:func:`_copy_offsets`), so no copy writes zeros for planes a tile lacks.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the operands read from the buffer
   itself. While a group's key products run, the ``cp.async`` copies of the codes of the next
   ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
-  scores are made, and runs during its softmax and value products (until the twenty-eighth session
-  it started with the group: ``STAGES - 1`` in flight throughout; 2 and 4 stages timed again
-  with the thread-owned key words, :func:`default_splits`). The 16-bit scales and zeros, whose
+  scores are made, and runs during its softmax and value products (the stage count:
+  :func:`default_splits`). The 16-bit scales and zeros, whose
   alignment ``cp.async`` cannot assume, go through
   registers and are stored once the group's last step has read its token scales. The value words'
   buffer is swizzled (:func:`value_shared_layout`). Without staging the
-  kernel waited on memory: the same instructions took 1.5-2x as long.
-  Until the cache stored its words in operand order, each group was byte-transposed from one
-  shared buffer into another (``PRMT``): 1.19-1.21x the time at batch 32 for pnmix-1
-  (``benchmarks/results/pretransposed_codes.json``).
+  kernel would wait on memory.
 - One barrier per group, the group's codes arrived (and its query operands are stored), and two per
   step: the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A group's query
   operands and factors (:func:`_group_operands`) are made during the value products of the group
@@ -142,20 +128,42 @@ MAX_REGISTERS_64 = 96
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
-def supports(query: torch.Tensor, key_codes_high: torch.Tensor, key_codes_low: torch.Tensor,
-             value_codes: torch.Tensor, value_scale: torch.Tensor, heads: int) -> bool:
+def supports(
+    query: torch.Tensor,
+    key_codes_high: torch.Tensor,
+    key_codes_low: torch.Tensor,
+    value_codes: torch.Tensor,
+    value_scale: torch.Tensor,
+    heads: int,
+) -> bool:
     """Whether this kernel handles the call (else the Triton kernel does): a CUDA device with
     ``mma.sync`` (8.0+), fp16/bf16, and shapes :func:`supports_shapes` accepts."""
     if not query.is_cuda or query.dtype not in DTYPES or _capability(query.device.index)[0] < 8:
         return False
     return supports_shapes(
-        query.shape[-1], 32 * key_codes_high.shape[4], key_codes_high.shape[3], key_codes_low.shape[3],
-        value_codes.shape[3], value_scale.shape[-1], query.shape[1], heads, key_codes_high.shape[5],
-    )  # fmt: skip
+        query.shape[-1],
+        32 * key_codes_high.shape[4],
+        key_codes_high.shape[3],
+        key_codes_low.shape[3],
+        value_codes.shape[3],
+        value_scale.shape[-1],
+        query.shape[1],
+        heads,
+        key_codes_high.shape[5],
+    )
 
 
-def supports_shapes(head_dim: int, group_size: int, bits_high: int, bits_low: int, bits_value: int,
-                    value_scales_per_token: int, query_heads: int, heads: int, num_high: int) -> bool:
+def supports_shapes(
+    head_dim: int,
+    group_size: int,
+    bits_high: int,
+    bits_low: int,
+    bits_value: int,
+    value_scales_per_token: int,
+    query_heads: int,
+    heads: int,
+    num_high: int,
+) -> bool:
     """The shapes this kernel builds for: head dim 64 or 128, key groups of a power of two of at
     least 64 tokens, key codes of at most 4 bits, value codes of 2 or 4 bits (pairs of planes
     stored as 2-bit fields; a 1-bit or an odd top plane is a plane, which this kernel does not
@@ -201,12 +209,11 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
 def step_tokens(group_size: int, value_bits: int) -> int:
     """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the group
     holds a multiple of it and the value codes have 2 bits, else 64 (4-bit values). A step makes
-    one softmax update (one cross-warp maximum, one rescaling of the accumulators). The rule was
-    set when values were bit planes, to keep a step's integer value sums in int32 (T tokens x
-    (2^b - 1) x 128 x 127 x 128, the high part's weight: 4.0e9 for 4-bit values at 128 tokens).
-    With 2-bit fields a byte reads at most 128 in magnitude, weighted 4^m over the b/2 field words:
-    T x (2^b - 1) / 3 x 128 x 127 x 128, 1.3e9 for 4-bit values at 128 tokens, inside int32; 128
-    tokens for 4-bit values were not tried."""
+    one softmax update (one cross-warp maximum, one rescaling of the accumulators). A step's
+    integer value sums stay inside int32: with 2-bit fields a byte reads at most 128 in magnitude,
+    weighted 4^m over the b/2 field words, so they reach at most T x (2^b - 1) / 3 x 128 x 127 x 128
+    (the high part's weight), 1.3e9 even for 4-bit values at 128 tokens. 4-bit values nonetheless
+    take 64-token steps (128-token steps are untimed for them)."""
     return 128 if group_size % 128 == 0 and value_bits <= 2 else 64
 
 
@@ -227,20 +234,12 @@ def paired_columns(ratio: int) -> bool:
 def register_cap(group_size: int, ratio: int) -> int:
     """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens and
     ``ratio`` query heads per KV head: 96 for 64-token groups with at most 4 heads (paired columns),
-    five programs per multiprocessor; else 128, four programs. The rule is what was measured: 64-token
-    groups with 2-bit values at 4 heads (a step of 64 tokens holds half the state of a 128-token one).
-    At 96 registers that build spills only outside its packed loop, in the sink and residual loops (24
-    spill loads and stores; ``benchmarks/kernel_sass.py --gluon-registers 128 96``, Triton 3.6, head dim
-    128, 4 heads); other head counts were not timed at 96, hence the bound on ``ratio``.
-
-    Measured on an H200 (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py --variants``): pnmix-2
-    at 96 against 128 registers, splits filling 4 slots per multiprocessor in both
-    (``benchmarks/results/kernel_ab_registers96_pnmix2.json``): batch 1 / 32K 24.6 vs 24.8 us, batch
-    8 / 16K 80.0 vs 81.8, batch 32 / 16K 284.5 vs 292.3, batch 32 / 32K 551.2 vs 567.0, batch 64 / 16K
-    554.8 vs 569.5. For 128-token groups, 96 registers with splits filling 5 slots were slower or no
-    faster than 128 with 4 (96 with 4 slots was not timed there): pnmix-1 batch 32 / 32K 399.2 vs 390.3
-    us (``kernel_ab_registers96_adjacent.json``); kivi-2 batch 32 / 32K 405.3 vs 406.3, batch 1 / 32K
-    26.1 vs 20.9 (``kernel_ab_registers96_kivi2.json``).
+    five programs per multiprocessor; else 128, four programs. The 96-register cap covers the
+    configuration it is measured on: 64-token groups with 2-bit values at 4 heads (a step of 64
+    tokens holds half the state of a 128-token one). At 96 registers that build spills only outside
+    its packed loop, in the sink and residual loops (head dim 128, 4 heads); other head counts are
+    untimed at 96, hence the bound on ``ratio``. On an H200, 96 registers are slightly faster than 128
+    for pnmix-2's 64-token groups and no faster for 128-token groups (pnmix-1, kivi-2).
     """
     return MAX_REGISTERS_64 if group_size == 64 and paired_columns(ratio) else MAX_REGISTERS
 
@@ -273,8 +272,10 @@ def _key_owned_layouts(cols: int, tokens: int, distance: int) -> tuple[gl.Distri
 
     bases = _a8_operand_bases(tokens, cols)
     shape = [tokens // distance, distance // 16, 2, 8, cols // 32, 2, 4, 4]
-    return (gl.DistributedLinearLayout(*(split(b) for b in bases), [], shape),
-            gl.DistributedLinearLayout(*(word(b) for b in bases), [], [distance // 16, cols // 4, 4]))
+    return (
+        gl.DistributedLinearLayout(*(split(b) for b in bases), [], shape),
+        gl.DistributedLinearLayout(*(word(b) for b in bases), [], [distance // 16, cols // 4, 4]),
+    )
 
 
 def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout:
@@ -300,7 +301,8 @@ def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_di
     low_width = head_dim - high_width
     if key_distance:
         (key_high, key_words_high), (key_low, key_words_low) = (
-            _key_owned_layouts(width or head_dim, tokens, key_distance) for width in (high_width, low_width))
+            _key_owned_layouts(width or head_dim, tokens, key_distance) for width in (high_width, low_width)
+        )
     else:
         key_high, key_low = (_key_byte_layout(width or head_dim, tokens) for width in (high_width, low_width))
         key_words_high = gl.SliceLayout(2, gl.SliceLayout(4, key_high))
@@ -311,7 +313,10 @@ def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_di
         B=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2),
         A8=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4),
         B8=gl.DotOperandLayout(operand_index=1, parent=mma, k_width=4),
-        KEY_BYTES_HIGH=key_high, KEY_BYTES_LOW=key_low, KEY_WORDS_HIGH=key_words_high, KEY_WORDS_LOW=key_words_low,
+        KEY_BYTES_HIGH=key_high,
+        KEY_BYTES_LOW=key_low,
+        KEY_WORDS_HIGH=key_words_high,
+        KEY_WORDS_LOW=key_words_low,
         QUERY=query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim),
         VALUE_BYTES=_value_byte_layout(head_dim, tokens),
     )
@@ -386,14 +391,8 @@ def value_shared_layout(group_size: int, tokens: int) -> gl.SwizzledSharedLayout
     Each 8x8 matrix of an ``ldmatrix`` of the value operands reads the same 16 bytes of two adjacent
     word rows (its eight row addresses: lanes that differ only in a channel's 2-bit field share a
     word). Unswizzled, with rows of 128 bytes (``G`` = 128), both fall in the same four banks: two
-    wavefronts per matrix. Measured on an H200 (pnmix-1, bf16, batch 32 / 32K, Nsight Compute,
-    ``benchmarks/results/ncu_decode_kernel_rcp_b32_t32768_opcodes.json``): the kernel's ``ldmatrix.x4``
-    took 6.46 wavefronts each instead of 4 (by the instruction counts, 8 for the value operands'
-    and 4 for the others'), 40% of its shared-memory wavefronts, and the L1 was its busiest unit
-    (86.5% of its peak). Swizzled, Nsight Compute reports no bank conflict of shared loads
-    (``ncu_decode_kernel_swizzled_b32_t32768.txt``) and the kernel takes 0.91-0.95x the time for
-    pnmix-1, 0.92-0.96x for kivi-2 (``kernel_ab_swizzled_values.json``); 64-token groups (pnmix-2),
-    two rows per 128 bytes, had no conflict to remove (1.00-1.01x)."""
+    wavefronts per matrix. Swizzled, Nsight Compute reports no bank conflict of shared loads; 64-token
+    groups (pnmix-2), two rows per 128 bytes, have no conflict to remove."""
     per_phase = max(1, 128 // group_size)
     return gl.SwizzledSharedLayout(4, per_phase, max(1, min(8, group_size // 16, tokens // 16)), [1, 0])
 
@@ -449,15 +448,25 @@ def _let_next_kernel_launch(PDL: gl.constexpr):
 def _int8(x):
     """The int8 in the low byte of float32 ``x`` (a part from :func:`_split_8bit`), four per
     :data:`PACK_ASM`. Not ``.to(gl.int32, bitcast=True).to(gl.int8)``: after a ``gl.where`` of two
-    parts, Triton 3.6's ptxas compiled that truncation as a float-to-uint8 conversion (``F2IP.U8``,
-    255 for every part; found on an H200)."""
+    parts, Triton 3.6's ptxas compiles that truncation as a float-to-uint8 conversion (``F2IP.U8``,
+    255 for every part)."""
     return gl.inline_asm_elementwise(PACK_ASM, "=r,r,r,r,r", [x.to(gl.int32, bitcast=True)], gl.int8, True, 4)
 
 
 @gluon.jit
-def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
-                  BITS_LOW: gl.constexpr, BITS_V: gl.constexpr, W_HIGH: gl.constexpr, KEY_ROWS: gl.constexpr,
-                  LOW_ROW: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr):
+def _copy_offsets(
+    D: gl.constexpr,
+    G: gl.constexpr,
+    C_HIGH: gl.constexpr,
+    BITS_HIGH: gl.constexpr,
+    BITS_LOW: gl.constexpr,
+    BITS_V: gl.constexpr,
+    W_HIGH: gl.constexpr,
+    KEY_ROWS: gl.constexpr,
+    LOW_ROW: gl.constexpr,
+    COPY_KEYS: gl.constexpr,
+    COPY_VALUES: gl.constexpr,
+):
     """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
     per program: the key words ``[KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width), the first key
     tile's planes from row 0 on and the second's from row ``LOW_ROW`` on (row p * G / 32 + w of a
@@ -485,9 +494,23 @@ def _copy_offsets(D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_H
 
 
 @gluon.jit
-def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low, v_codes, offsets,
-                      D: gl.constexpr, G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr,
-                      BITS_LOW: gl.constexpr, BITS_V: gl.constexpr):
+def _copy_group_codes(
+    key_smem,
+    value_smem,
+    stage,
+    group,
+    valid,
+    kc_high,
+    kc_low,
+    v_codes,
+    offsets,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    C_HIGH: gl.constexpr,
+    BITS_HIGH: gl.constexpr,
+    BITS_LOW: gl.constexpr,
+    BITS_V: gl.constexpr,
+):
     """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
     bases; ``offsets``: :func:`_copy_offsets`) into ``stage`` of the shared buffers: the key words
     (runs of four words of a word row, as stored) and the value words (the group's, in operand
@@ -497,13 +520,13 @@ def _copy_group_codes(key_smem, value_smem, stage, group, valid, kc_high, kc_low
     WORDS: gl.constexpr = G // 32
     key_base = gl.where(is_high, kc_high + group * (BITS_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * (D - C_HIGH)))
     async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & valid)
-    async_copy.async_copy_global_to_shared(value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets,
-                                           mask=valid)
+    async_copy.async_copy_global_to_shared(value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets, mask=valid)
 
 
 @gluon.jit
-def _load_group_params(group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.constexpr, G: gl.constexpr,
-                       PARAMS_D: gl.constexpr, PARAMS_G: gl.constexpr):
+def _load_group_params(
+    group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.constexpr, G: gl.constexpr, PARAMS_D: gl.constexpr, PARAMS_G: gl.constexpr
+):
     """Key scales and zeros ``[2, D]`` and value scales and zeros ``[2, G]`` (row 0: scales, row 1:
     zeros) of key group ``group`` (16-bit, any alignment: plain loads, stored to shared memory later
     by :func:`_store_group_params`)."""
@@ -511,8 +534,10 @@ def _load_group_params(group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.con
     d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, PARAMS_D)), 0) + group * D
     is_scale_g = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_G)), 1) == 0
     t = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, PARAMS_G)), 0) + group * G
-    return (gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=valid),
-            gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=valid))
+    return (
+        gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=valid),
+        gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=valid),
+    )
 
 
 @gluon.jit
@@ -524,8 +549,17 @@ def _store_group_params(key_param_smem, value_param_smem, stage, params):
 
 
 @gluon.jit
-def _key_step_words(key_words, ROW: gl.constexpr, step: gl.constexpr, W: gl.constexpr, T: gl.constexpr,
-                    A8: gl.constexpr, KEY_BYTES: gl.constexpr, KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr):
+def _key_step_words(
+    key_words,
+    ROW: gl.constexpr,
+    step: gl.constexpr,
+    W: gl.constexpr,
+    T: gl.constexpr,
+    A8: gl.constexpr,
+    KEY_BYTES: gl.constexpr,
+    KEY_WORDS: gl.constexpr,
+    KEY_DISTANCE: gl.constexpr,
+):
     """The words of step ``step`` of one slot (a plane, or one word of a pair's fields) of a key tile
     ``W`` channels wide, the slot's word rows from ``ROW`` on in the stage's buffer
     (:func:`_copy_offsets`), as ``[T, W]`` in ``A8``: each element the word holding its operand byte."""
@@ -546,15 +580,32 @@ def _key_step_words(key_words, ROW: gl.constexpr, step: gl.constexpr, W: gl.cons
         words = key_words.slice(ROW + step * (T // 32), T // 32, 0).permute([0, 2, 1])
         words = gl.expand_dims(gl.expand_dims(words.load(KEY_WORDS), 2), 4)
         shape: gl.constexpr = [T // 32, 4, 8, W // 4, 4]
-    return gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]),
-                             A8, assert_trivial=True)
+    return gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]), A8, assert_trivial=True)
 
 
 @gluon.jit
-def _key_level_scores(high, low, key_words, query_high, query_low, ROW: gl.constexpr, WORDS: gl.constexpr,
-                      LEVEL: gl.constexpr, BITS_FIRST: gl.constexpr, BITS_REST: gl.constexpr, SPLIT: gl.constexpr,
-                      step: gl.constexpr, bit, W: gl.constexpr, T: gl.constexpr, A8: gl.constexpr,
-                      KEY_BYTES: gl.constexpr, KEY_WORDS: gl.constexpr, KEY_DISTANCE: gl.constexpr, PAIRED: gl.constexpr):
+def _key_level_scores(
+    high,
+    low,
+    key_words,
+    query_high,
+    query_low,
+    ROW: gl.constexpr,
+    WORDS: gl.constexpr,
+    LEVEL: gl.constexpr,
+    BITS_FIRST: gl.constexpr,
+    BITS_REST: gl.constexpr,
+    SPLIT: gl.constexpr,
+    step: gl.constexpr,
+    bit,
+    W: gl.constexpr,
+    T: gl.constexpr,
+    A8: gl.constexpr,
+    KEY_BYTES: gl.constexpr,
+    KEY_WORDS: gl.constexpr,
+    KEY_DISTANCE: gl.constexpr,
+    PAIRED: gl.constexpr,
+):
     """Add level ``LEVEL`` of a key tile ``W`` channels wide of step ``step`` (a plane, or for
     thread-owned words a pair of planes stored as 2-bit fields: the slots from word row ``ROW`` on,
     ``WORDS`` rows each) times the tile's 8-bit query operands (B-operand registers) to the integer
@@ -600,8 +651,7 @@ def _key_level_scores(high, low, key_words, query_high, query_low, ROW: gl.const
 
 
 @gluon.jit
-def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.constexpr, A8: gl.constexpr,
-                     SCORES: gl.constexpr):
+def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.constexpr, A8: gl.constexpr, SCORES: gl.constexpr):
     """Which bit of a byte each score row of step ``step`` reads (``[T, 1]`` in ``A8``) and the factor
     that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words: bit ``4 * tile + row half``
     of the row's token (``pnmix_patch/reference/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile);
@@ -639,21 +689,36 @@ def _operand_inverse(peak):
     """``127 / peak`` (``peak >= 0``, the largest magnitude an 8-bit operand's column holds): one
     ``rcp.approx`` (within 1 ulp, about 2^-23) in place of the division's ten instructions with their
     range checks. 0 where ``peak`` is 0, below float32's smallest normal, NaN, infinite or at least
-    2^126 (the flushed reciprocal); infinite below about 3.7e-37, as the division was. A NaN group
+    2^126 (the flushed reciprocal); infinite below about 3.7e-37, as with a division. A NaN group
     still gives NaN scores through its offset. The operands are exact
     to within that factor: ``y`` may pass 127 by 127 * 2^-22, which still rounds to 127, and the
-    result is scaled back by ``peak`` itself, not by the inverse. Measured on an H200 against the
-    division (bf16, ``benchmarks/results/kernel_ab_rcp_inverse.json``): 0.96-0.99x the time for pnmix-1
-    (1.01x at batch 580), 0.98-0.99x for kivi-2, 0.99-1.00x for pnmix-2; the same errors."""
+    result is scaled back by ``peak`` itself, not by the inverse, so the errors match a division's."""
     reciprocal = gl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [peak], gl.float32, True, 1)
     return gl.where(peak >= 1.1754943508222875e-38, 127.0 * reciprocal, 0.0)
 
 
 @gluon.jit
-def _group_operands(key_param_smem, value_param_smem, stage, q_high, q_low, query_hh_smem, query_hl_smem,
-                    query_lh_smem, query_ll_smem, column_scale_smem, column_offset_smem, value_unit,
-                    D: gl.constexpr, G: gl.constexpr, W_HIGH: gl.constexpr, QUERY_ROWS: gl.constexpr,
-                    PAIRED: gl.constexpr, QUERY: gl.constexpr, GROUP_PER_WARP: gl.constexpr):
+def _group_operands(
+    key_param_smem,
+    value_param_smem,
+    stage,
+    q_high,
+    q_low,
+    query_hh_smem,
+    query_hl_smem,
+    query_lh_smem,
+    query_ll_smem,
+    column_scale_smem,
+    column_offset_smem,
+    value_unit,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    W_HIGH: gl.constexpr,
+    QUERY_ROWS: gl.constexpr,
+    PAIRED: gl.constexpr,
+    QUERY: gl.constexpr,
+    GROUP_PER_WARP: gl.constexpr,
+):
     """The operands of the key group whose scales and zeros are in ``stage``: the 8-bit query operands
     of both key tiles and the columns' score scale and offset, stored to shared memory (``q_high``,
     ``q_low``: the query of each tile's channels times ``qk_scale``, ``[QUERY_ROWS, W]``); returned,
@@ -661,11 +726,7 @@ def _group_operands(key_param_smem, value_param_smem, stage, q_high, q_low, quer
     accumulators' scale per channel row (``value_unit`` times the group's largest token scale / (127 *
     128)). Needs no barrier of its own: the kernel calls it where every warp is done with the previous
     group's operands, after the value products in source order (``ptxas`` then interleaves the two;
-    placed before them, its shared stores kept the products' shared loads waiting: sm_90 machine
-    code of Triton 3.6). Measured on an H200 against
-    making them after a barrier at the start of the group (bf16,
-    ``benchmarks/results/kernel_ab_pipelined_operands.json``): pnmix-1 0.97-1.01x the time (batch 32 /
-    32K 316.4 -> 314.5 us), kivi-2 0.98-1.00x, pnmix-2 0.97-1.02x."""
+    placed before them, its shared stores would keep the products' shared loads waiting)."""
     W_LOW: gl.constexpr = D - W_HIGH
     # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of one
     # scale per column (its largest |q * scale| is 127). Scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
@@ -733,9 +794,24 @@ def _join_parts(high, low, MMA: gl.constexpr):
 
 
 @gluon.jit
-def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLOCK_Q: gl.constexpr,
-                  QUERY_ROWS: gl.constexpr, A: gl.constexpr, B: gl.constexpr, MMA: gl.constexpr,
-                  SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr):
+def _attend_dense(
+    m_i,
+    l_i,
+    acc,
+    q_t,
+    k_ptr,
+    v_ptr,
+    length,
+    D: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    QUERY_ROWS: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    MMA: gl.constexpr,
+    SCORES: gl.constexpr,
+    DENSE_SCORES: gl.constexpr,
+    ACC: gl.constexpr,
+):
     """Attend to ``length`` full-precision rows ``[tokens, D]`` at ``k_ptr``/``v_ptr`` (sinks, residual).
     State as the packed groups': ``m_i``, ``l_i`` ``[QUERY_ROWS]`` in ``gl.SliceLayout(0, SCORES)``,
     ``acc`` ``[D, QUERY_ROWS]`` in ``ACC``. With paired columns (``QUERY_ROWS < BLOCK_Q``) ``q_t`` holds
@@ -772,30 +848,100 @@ def _attend_dense(m_i, l_i, acc, q_t, k_ptr, v_ptr, length, D: gl.constexpr, BLO
 
 @gluon.jit
 def _decode_split_kernel_mma(
-    query_ptr, order_ptr,
-    sink_k_ptr, sink_v_ptr, sink_len_ptr,
-    kc_high_ptr, kc_low_ptr, k_scale_ptr, k_zero_ptr,
-    vc_ptr, v_scale_ptr, v_zero_ptr, num_groups_ptr,
-    res_k_ptr, res_v_ptr, res_len_ptr,
-    m_out_ptr, l_out_ptr, acc_out_ptr,
-    qk_scale, num_heads, num_splits, sink_cap, group_cap, residual_cap,
+    query_ptr,
+    order_ptr,
+    sink_k_ptr,
+    sink_v_ptr,
+    sink_len_ptr,
+    kc_high_ptr,
+    kc_low_ptr,
+    k_scale_ptr,
+    k_zero_ptr,
+    vc_ptr,
+    v_scale_ptr,
+    v_zero_ptr,
+    num_groups_ptr,
+    res_k_ptr,
+    res_v_ptr,
+    res_len_ptr,
+    m_out_ptr,
+    l_out_ptr,
+    acc_out_ptr,
+    qk_scale,
+    num_heads,
+    num_splits,
+    sink_cap,
+    group_cap,
+    residual_cap,
     # (batch, head) strides; the dims below the head are contiguous.
-    s_qb, s_qh, s_ob, s_oh,
-    s_skb, s_skh, s_svb, s_svh,
-    s_khb, s_khh, s_klb, s_klh, s_ksb, s_ksh, s_kzb, s_kzh,
-    s_vcb, s_vch, s_vsb, s_vsh, s_vzb, s_vzh,
-    s_rkb, s_rkh, s_rvb, s_rvh,
-    RATIO: gl.constexpr, BLOCK_Q: gl.constexpr, QUERY_ROWS: gl.constexpr, D: gl.constexpr, T: gl.constexpr,
-    G: gl.constexpr, C_HIGH: gl.constexpr, BITS_HIGH: gl.constexpr, BITS_LOW: gl.constexpr, BITS_V: gl.constexpr,
-    W_HIGH: gl.constexpr, PLANES_HIGH: gl.constexpr, KEY_ROWS: gl.constexpr, LOW_ROW: gl.constexpr, SCORE_PLANES: gl.constexpr,
-    MMA: gl.constexpr, A: gl.constexpr, B: gl.constexpr, A8: gl.constexpr, B8: gl.constexpr,
-    KEY_BYTES_HIGH: gl.constexpr, KEY_BYTES_LOW: gl.constexpr, KEY_WORDS_HIGH: gl.constexpr, KEY_WORDS_LOW: gl.constexpr,
-    KEY_DISTANCE: gl.constexpr, QUERY: gl.constexpr,
+    s_qb,
+    s_qh,
+    s_ob,
+    s_oh,
+    s_skb,
+    s_skh,
+    s_svb,
+    s_svh,
+    s_khb,
+    s_khh,
+    s_klb,
+    s_klh,
+    s_ksb,
+    s_ksh,
+    s_kzb,
+    s_kzh,
+    s_vcb,
+    s_vch,
+    s_vsb,
+    s_vsh,
+    s_vzb,
+    s_vzh,
+    s_rkb,
+    s_rkh,
+    s_rvb,
+    s_rvh,
+    RATIO: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    QUERY_ROWS: gl.constexpr,
+    D: gl.constexpr,
+    T: gl.constexpr,
+    G: gl.constexpr,
+    C_HIGH: gl.constexpr,
+    BITS_HIGH: gl.constexpr,
+    BITS_LOW: gl.constexpr,
+    BITS_V: gl.constexpr,
+    W_HIGH: gl.constexpr,
+    PLANES_HIGH: gl.constexpr,
+    KEY_ROWS: gl.constexpr,
+    LOW_ROW: gl.constexpr,
+    SCORE_PLANES: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    A8: gl.constexpr,
+    B8: gl.constexpr,
+    KEY_BYTES_HIGH: gl.constexpr,
+    KEY_BYTES_LOW: gl.constexpr,
+    KEY_WORDS_HIGH: gl.constexpr,
+    KEY_WORDS_LOW: gl.constexpr,
+    KEY_DISTANCE: gl.constexpr,
+    QUERY: gl.constexpr,
     VALUE_BYTES: gl.constexpr,
-    QUERY_SHARED: gl.constexpr, P_SHARED: gl.constexpr,
-    STAGES: gl.constexpr, COPY_KEYS: gl.constexpr, COPY_VALUES: gl.constexpr, VALUE_SHARED: gl.constexpr, PARAMS_D: gl.constexpr,
-    PARAMS_G: gl.constexpr, GROUP_PER_WARP: gl.constexpr, PARTIALS: gl.constexpr, OUT: gl.constexpr,
-    SCORES: gl.constexpr, DENSE_SCORES: gl.constexpr, ACC: gl.constexpr, TOP_CORRECTION: gl.constexpr,
+    QUERY_SHARED: gl.constexpr,
+    P_SHARED: gl.constexpr,
+    STAGES: gl.constexpr,
+    COPY_KEYS: gl.constexpr,
+    COPY_VALUES: gl.constexpr,
+    VALUE_SHARED: gl.constexpr,
+    PARAMS_D: gl.constexpr,
+    PARAMS_G: gl.constexpr,
+    GROUP_PER_WARP: gl.constexpr,
+    PARTIALS: gl.constexpr,
+    OUT: gl.constexpr,
+    SCORES: gl.constexpr,
+    DENSE_SCORES: gl.constexpr,
+    ACC: gl.constexpr,
+    TOP_CORRECTION: gl.constexpr,
     PDL: gl.constexpr = False,
 ):
     pid_bh = gl.program_id(0)
@@ -831,9 +977,24 @@ def _decode_split_kernel_mma(
 
     # Sinks: split 0 only.
     n_sink = gl.where(split == 0, gl.minimum(gl.load(sink_len_ptr + b), sink_cap), 0)
-    m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, sink_k_ptr + b * s_skb + h * s_skh,
-                                  sink_v_ptr + b * s_svb + h * s_svh, n_sink, D, BLOCK_Q, QUERY_ROWS, A, B, MMA,
-                                  SCORES, DENSE_SCORES, ACC)
+    m_i, l_i, acc = _attend_dense(
+        m_i,
+        l_i,
+        acc,
+        q_natural,
+        sink_k_ptr + b * s_skb + h * s_skh,
+        sink_v_ptr + b * s_svb + h * s_svh,
+        n_sink,
+        D,
+        BLOCK_Q,
+        QUERY_ROWS,
+        A,
+        B,
+        MMA,
+        SCORES,
+        DENSE_SCORES,
+        ACC,
+    )
 
     # Packed groups: this split's slice of the sequence's groups.
     WORDS: gl.constexpr = G // 32
@@ -877,15 +1038,25 @@ def _decode_split_kernel_mma(
     j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY)), 1)
     c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY))
     if W_HIGH > 0:
-        q_high = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0),
-                         mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
+        q_high = (
+            gl.load(
+                query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + c_q), 0), mask=j_q < RATIO, other=0.0
+            ).to(gl.float32)
+            * qk_scale
+        )
         query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
         query_hl_smem = query_hh_smem
         if not PAIRED:
             query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
     if W_LOW > 0:
-        q_low = gl.load(query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
-                        mask=j_q < RATIO, other=0.0).to(gl.float32) * qk_scale
+        q_low = (
+            gl.load(
+                query_ptr + b * s_qb + (h * RATIO + j_q) * s_qh + gl.expand_dims(gl.load(order_ptrs + W_HIGH + c_q), 0),
+                mask=j_q < RATIO,
+                other=0.0,
+            ).to(gl.float32)
+            * qk_scale
+        )
         query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
         query_ll_smem = query_lh_smem
         if not PAIRED:
@@ -916,18 +1087,51 @@ def _decode_split_kernel_mma(
     group_start = split * per_split
     copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, COPY_KEYS, COPY_VALUES)
     for i in gl.static_range(STAGES - 1):
-        _copy_group_codes(key_smem, value_smem, i, group_start + i, group_start + i < group_end, kc_high, kc_low,
-                          v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
+        _copy_group_codes(
+            key_smem,
+            value_smem,
+            i,
+            group_start + i,
+            group_start + i < group_end,
+            kc_high,
+            kc_low,
+            v_codes,
+            copy_offsets,
+            D,
+            G,
+            C_HIGH,
+            BITS_HIGH,
+            BITS_LOW,
+            BITS_V,
+        )
         async_copy.commit_group()
     for i in gl.static_range(STAGES):
-        params = _load_group_params(group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero,
-                                    D, G, PARAMS_D, PARAMS_G)  # fmt: skip
+        params = _load_group_params(
+            group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G
+        )
         _store_group_params(key_param_smem, value_param_smem, i, params)
     # The first group's operands; each later group's are made during the value products of the one before.
     value_inverse, value_scale = _group_operands(
-        key_param_smem, value_param_smem, 0, q_high, q_low, query_hh_smem, query_hl_smem, query_lh_smem, query_ll_smem,
-        column_scale_smem, column_offset_smem, value_unit, D, G, W_HIGH, QUERY_ROWS, PAIRED, QUERY, GROUP_PER_WARP,
-    )  # fmt: skip
+        key_param_smem,
+        value_param_smem,
+        0,
+        q_high,
+        q_low,
+        query_hh_smem,
+        query_hl_smem,
+        query_lh_smem,
+        query_ll_smem,
+        column_scale_smem,
+        column_offset_smem,
+        value_unit,
+        D,
+        G,
+        W_HIGH,
+        QUERY_ROWS,
+        PAIRED,
+        QUERY,
+        GROUP_PER_WARP,
+    )
     for group in range(group_start, group_end):
         # Wait for this group's codes (the next STAGES - 2 groups' copies stay in flight); the barrier
         # also makes the group's query operands visible and ends the last iteration's reads of its
@@ -937,8 +1141,7 @@ def _decode_split_kernel_mma(
         stage = (group - group_start) % STAGES
         # Start reading the scales and zeros of group + STAGES (they wait in registers until this
         # group is done with the stage's).
-        params = _load_group_params(group + STAGES, group + STAGES < group_end, k_scale, k_zero, v_scale, v_zero,
-                                    D, G, PARAMS_D, PARAMS_G)  # fmt: skip
+        params = _load_group_params(group + STAGES, group + STAGES < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
         key_words = key_smem.index(stage)
         value_words = value_smem.index(stage)
         value_params = value_param_smem.index(stage).reshape([2 * G])
@@ -967,13 +1170,51 @@ def _decode_split_kernel_mma(
                     if not PAIRED:
                         low = low << LEVEL_PLANES
                 if W_HIGH > 0 and LEVEL_PLANES * level < PLANES_HIGH:
-                    high, low = _key_level_scores(high, low, key_words, query_hh, query_hl, LEVEL_PLANES * level * WORDS, WORDS,
-                                                  level, BITS_HIGH, BITS_LOW, C_HIGH, step, key_bit, W_HIGH, T, A8,
-                                                  KEY_BYTES_HIGH, KEY_WORDS_HIGH, KEY_DISTANCE, PAIRED)  # fmt: skip
+                    high, low = _key_level_scores(
+                        high,
+                        low,
+                        key_words,
+                        query_hh,
+                        query_hl,
+                        LEVEL_PLANES * level * WORDS,
+                        WORDS,
+                        level,
+                        BITS_HIGH,
+                        BITS_LOW,
+                        C_HIGH,
+                        step,
+                        key_bit,
+                        W_HIGH,
+                        T,
+                        A8,
+                        KEY_BYTES_HIGH,
+                        KEY_WORDS_HIGH,
+                        KEY_DISTANCE,
+                        PAIRED,
+                    )
                 if W_LOW > 0 and LEVEL_PLANES * level < BITS_LOW:
-                    high, low = _key_level_scores(high, low, key_words, query_lh, query_ll, LOW_ROW + LEVEL_PLANES * level * WORDS,
-                                                  WORDS, level, BITS_LOW, BITS_LOW, 0, step, key_bit, W_LOW, T, A8,
-                                                  KEY_BYTES_LOW, KEY_WORDS_LOW, KEY_DISTANCE, PAIRED)  # fmt: skip
+                    high, low = _key_level_scores(
+                        high,
+                        low,
+                        key_words,
+                        query_lh,
+                        query_ll,
+                        LOW_ROW + LEVEL_PLANES * level * WORDS,
+                        WORDS,
+                        level,
+                        BITS_LOW,
+                        BITS_LOW,
+                        0,
+                        step,
+                        key_bit,
+                        W_LOW,
+                        T,
+                        A8,
+                        KEY_BYTES_LOW,
+                        KEY_WORDS_LOW,
+                        KEY_DISTANCE,
+                        PAIRED,
+                    )
             if PAIRED:
                 high, low = _pair_parts(high, SCORES)
             if KEY_DISTANCE > 0:
@@ -995,8 +1236,23 @@ def _decode_split_kernel_mma(
                 # words (another stage of the same buffers) are read. Every read of this stage's token
                 # scales is done by now.
                 ahead = group + STAGES - 1
-                _copy_group_codes(key_smem, value_smem, (ahead - group_start) % STAGES, ahead, ahead < group_end, kc_high,
-                                  kc_low, v_codes, copy_offsets, D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V)
+                _copy_group_codes(
+                    key_smem,
+                    value_smem,
+                    (ahead - group_start) % STAGES,
+                    ahead,
+                    ahead < group_end,
+                    kc_high,
+                    kc_low,
+                    v_codes,
+                    copy_offsets,
+                    D,
+                    G,
+                    C_HIGH,
+                    BITS_HIGH,
+                    BITS_LOW,
+                    BITS_V,
+                )
                 async_copy.commit_group()
                 _store_group_params(key_param_smem, value_param_smem, stage, params)
             alpha = gl.exp2(m_i - m_new)
@@ -1030,8 +1286,11 @@ def _decode_split_kernel_mma(
                 # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T]: no data moves.
                 words = value_words.slice(value_pair * (D // 4), D // 4, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
                 words = gl.expand_dims(gl.expand_dims(words, 1), 3)
-                words = gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
-                                          A8, assert_trivial=True)
+                words = gl.convert_layout(
+                    gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
+                    A8,
+                    assert_trivial=True,
+                )
                 operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
                 v_high = mma_v2(operand, p_high, v_high)
                 if not PAIRED:
@@ -1045,10 +1304,26 @@ def _decode_split_kernel_mma(
                 # The next group's operands, independent of this group's value products (the barriers
                 # above ended every warp's reads of the query operands and column factors of this group).
                 next_value_inverse, next_value_scale = _group_operands(
-                    key_param_smem, value_param_smem, (group + 1 - group_start) % STAGES, q_high, q_low, query_hh_smem,
-                    query_hl_smem, query_lh_smem, query_ll_smem, column_scale_smem, column_offset_smem, value_unit,
-                    D, G, W_HIGH, QUERY_ROWS, PAIRED, QUERY, GROUP_PER_WARP,
-                )  # fmt: skip
+                    key_param_smem,
+                    value_param_smem,
+                    (group + 1 - group_start) % STAGES,
+                    q_high,
+                    q_low,
+                    query_hh_smem,
+                    query_hl_smem,
+                    query_lh_smem,
+                    query_ll_smem,
+                    column_scale_smem,
+                    column_offset_smem,
+                    value_unit,
+                    D,
+                    G,
+                    W_HIGH,
+                    QUERY_ROWS,
+                    PAIRED,
+                    QUERY,
+                    GROUP_PER_WARP,
+                )
         value_inverse = next_value_inverse
         value_scale = next_value_scale
     async_copy.wait_group(0)
@@ -1059,9 +1334,24 @@ def _decode_split_kernel_mma(
     _let_next_kernel_launch(PDL)  # the merge kernel's programs start while the last splits finish
     # Residual: last split only.
     n_res = gl.where(split == num_splits - 1, gl.minimum(gl.load(res_len_ptr + b), residual_cap), 0)
-    m_i, l_i, acc = _attend_dense(m_i, l_i, acc, q_natural, res_k_ptr + b * s_rkb + h * s_rkh,
-                                  res_v_ptr + b * s_rvb + h * s_rvh, n_res, D, BLOCK_Q, QUERY_ROWS, A, B, MMA,
-                                  SCORES, DENSE_SCORES, ACC)
+    m_i, l_i, acc = _attend_dense(
+        m_i,
+        l_i,
+        acc,
+        q_natural,
+        res_k_ptr + b * s_rkb + h * s_rkh,
+        res_v_ptr + b * s_rvb + h * s_rvh,
+        n_res,
+        D,
+        BLOCK_Q,
+        QUERY_ROWS,
+        A,
+        B,
+        MMA,
+        SCORES,
+        DENSE_SCORES,
+        ACC,
+    )
 
     # Partials [B, Hq, splits] and [B, Hq, splits, D], contiguous float32.
     j_s = gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(0, SCORES))
@@ -1079,57 +1369,35 @@ def _decode_split_kernel_mma(
 def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group_size: int) -> int:
     """Split count: :func:`~.common.wave_filling_splits` over 4 program slots per
     multiprocessor: the most splits that fit in one wave if they fill it at least 95%, else the fewest
-    that fill every slot in waves at least 95% full (``group_size`` is not used by this rule; earlier
-    rules did, and the callers pass it).
-
-    Until the twenty-seventh session only the second part applied, so at batch 8 (64 KV programs on
-    528 slots) the rule took 16 splits, two waves, where 8 fill one wave to 97%; at batch 32 4 where 2
-    do, at batch 64 2 where 1 does (batch 1: 66 either way). Measured on an H200 with the 2-bit value
-    fields (bf16, ``benchmarks/bench_attention.py``, two calls on one machine, SDPA within 1% in both;
-    ``benchmarks/results/bench_attention_value_fields.json`` against ``bench_attention_one_wave_splits.json``),
-    the old counts' time over the new: pnmix-1 batch 8 1.23x / 1.08x / 1.04x / 1.02x (4K / 16K / 32K /
-    64K; 22.1 against 17.9 us at 4K), batch 32 1.12x / 1.02x / 1.01x / 1.00x, batch 64 1.03x / 1.00x /
-    0.99x / 0.98x; pnmix-2 and kivi-2 alike (0.99-1.22x). The Triton kernel at batch 8 to 64 (same
-    rule): 0.98-1.04x. A first form, the fewest splits filling one wave to 95%, took 63 at batch 1,
-    whose longest split then held more groups (pnmix-1 at 32K: 5 of 256 against 4): 1.03-1.15x the
-    time at 16K to 64K (that run's batch-1 rows are not this rule's).
+    that fill every slot in waves at least 95% full (``group_size`` is not used by this rule; the
+    callers pass it). One wave where it can be filled: at batch 8 (64 KV programs on 528 slots) 8
+    splits fill one wave to 97%, where filling every slot would take 16 splits in two waves.
 
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
-    142, three programs per multiprocessor) and ``STAGES`` = 3 (then, two groups' copies in flight while
-    the third stage was read; before the cache stored operand order, the kernel had two stages and a
-    byte-transposed copy, the same shared memory). Measured on an H200 before the twenty-eighth session
-    moved the copies later in the group (module docstring) (pnmix-1, bf16,
-    ``benchmarks/diagnostics/stages_sweep.py``, ``benchmarks/results/stages_sweep_operand_order.json``):
-    batch 32 / 32K 324.0 us, against 326.3 with 4 stages, 328.8 with 2 and 328.4 with 96 registers and
-    5 slots; 2 stages are 2% faster at batch 8 / 16K (52.1 against 53.2) and 1 / 32K (16.7 against 17.0). Its instructions depend on shared-memory loads
-    closely, so it needs the fourth program's warps to hide their latency; with 128-token groups a
-    fifth (96 registers) was slower at every shape tried (``benchmarks/results/kernel_ab_registers96.json``,
-    ``kernel_ab_registers96_adjacent.json``). Timed again with the thread-owned key words (bf16,
-    ``benchmarks/results/kernel_ab_owned_variants.json``; us, at the split count filling the slots): at
-    batch 32 / 32K pnmix-1 260.4 (3 stages) against 263.7 (2), 259.4 (4), 261.1 (2 stages, 96
-    registers, 5 slots), 266.2 (3 stages, 96 registers); at batch 580 / 8K 1,181.3 against 1,192.6,
-    1,174.6, 1,243.4, 1,196.6; kivi-2 at batch 32 / 32K 280.0 against 280.0, 281.7, 282.3, 280.8. At
-    batch 1 and 8, 2 stages are 2-4% faster (pnmix-1 1 / 32K 14.8 against 15.3, 8 / 16K 41.0 against
-    42.0) and at batch 8 the fifth program 4% (40.2); the defaults stay, chosen for the large batches.
-    With 64-token groups the kernel takes 96 registers
-    (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots: filling 5,
-    pnmix-2 took 27.3 against 24.6 us at batch 1 / 32K and 0.982-0.996x the time at batch 8 to 64
-    (541.3 against 551.2 us at batch 32 / 32K; ``kernel_ab_registers96_pnmix2.json``). Measured on
-    an H200 with paired columns side by side (Triton 3.6, bf16, ``benchmarks/diagnostics/kernel_ab.py``,
-    ``benchmarks/results/kernel_ab_adjacent_pairs.json``; us at 4 slots, then 2 and 3): pnmix-1 batch
-    1 / 32K 19.3 (19.5, 21.8), batch 8 / 16K 60.3 (57.3, 59.4), batch 32 / 32K 388.9 (389.8, 397.5);
-    batch 580 / 8K fills the GPU at any count (1,731.0); pnmix-2 batch 1 / 32K 24.8 (27.4, 28.5).
+    142, three programs per multiprocessor) and ``STAGES`` = 3. Its instructions depend on
+    shared-memory loads closely, so it needs the fourth program's warps to hide their latency; with
+    128-token groups a fifth (96 registers) is no faster. The stage count and the slots filled are
+    chosen for large batches on an H200 (``python benchmarks/bench_attention.py --sweep-mma`` and
+    ``--sweep-occupancy`` time the alternatives): 2 and 4 stages are about as fast as 3 there, and
+    filling 4 slots beats filling 2, 3 or 5 at batch 1 and 32. With 64-token groups the kernel takes
+    96 registers (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots.
     """
     return wave_filling_splits(4 * multiprocessors(query.device.index), kv_programs, max_groups)
 
 
 @functools.cache
 def kernel_constants(
-    head_dim: int, ratio: int, group_size: int, num_high: int,
-    bits_high: int, bits_low: int, bits_value: int, stages: int = STAGES,
+    head_dim: int,
+    ratio: int,
+    group_size: int,
+    num_high: int,
+    bits_high: int,
+    bits_low: int,
+    bits_value: int,
+    stages: int = STAGES,
 ) -> dict:
     """The split kernel's constexpr arguments for a cache of these shapes (the launcher's, and
-    ``benchmarks/kernel_sass.py``'s when it compiles the kernel without a GPU). Cached: do not mutate."""
+    those of an offline build, which compiles the kernel without a GPU). Cached: do not mutate."""
     high_width = high_tile_width(head_dim, num_high)
     block_q = max(8, triton.next_power_of_2(ratio))
     paired = paired_columns(ratio)
@@ -1150,33 +1418,63 @@ def kernel_constants(
     used_rows = low_row + (bits_low * words if high_width < head_dim else 0)
     key_rows = max(triton.next_power_of_2(used_rows), NUM_WARPS * 32 // min(32, tile // 4))
     return dict(
-        RATIO=ratio, BLOCK_Q=block_q, QUERY_ROWS=query_rows, D=head_dim, T=tokens,
-        G=group_size, C_HIGH=num_high, BITS_HIGH=bits_high, BITS_LOW=bits_low, BITS_V=bits_value,
+        RATIO=ratio,
+        BLOCK_Q=block_q,
+        QUERY_ROWS=query_rows,
+        D=head_dim,
+        T=tokens,
+        G=group_size,
+        C_HIGH=num_high,
+        BITS_HIGH=bits_high,
+        BITS_LOW=bits_low,
+        BITS_V=bits_value,
         TOP_CORRECTION=top_field_correction(bits_value),
-        W_HIGH=high_width, PLANES_HIGH=planes_high, KEY_ROWS=key_rows, LOW_ROW=low_row, KEY_DISTANCE=key_distance,
+        W_HIGH=high_width,
+        PLANES_HIGH=planes_high,
+        KEY_ROWS=key_rows,
+        LOW_ROW=low_row,
+        KEY_DISTANCE=key_distance,
         SCORE_PLANES=score_planes,
         STAGES=stages,
-        COPY_KEYS=quad_layout(tile // 4), COPY_VALUES=value_copy_layout(group_size),
+        COPY_KEYS=quad_layout(tile // 4),
+        COPY_VALUES=value_copy_layout(group_size),
         VALUE_SHARED=value_shared_layout(group_size, tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, tokens),
-        PARAMS_D=params, PARAMS_G=params,
+        PARAMS_D=params,
+        PARAMS_G=params,
         GROUP_PER_WARP=gl.BlockedLayout([group_size // 32], [32], [NUM_WARPS], [0]),  # the group's token scales in every warp
         PARTIALS=partials_layout(query_rows, paired),
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
-        SCORES=heads_layout(tokens) if paired else mma, DENSE_SCORES=heads_layout(DENSE_T.value) if paired else mma,
+        SCORES=heads_layout(tokens) if paired else mma,
+        DENSE_SCORES=heads_layout(DENSE_T.value) if paired else mma,
         ACC=heads_layout(head_dim) if paired else mma,
         **kernel_layouts,
-    )  # fmt: skip
+    )
 
 
 def mma_decode_attention(
-    query, order, sink_keys, sink_values, sink_len,
-    key_codes_high, key_codes_low, key_scale, key_zero,
-    value_codes, value_scale, value_zero, num_groups,
-    residual_keys, residual_values, residual_len,
-    scaling: float, overflowed: torch.Tensor | None = None, num_splits: int | None = None,
-    max_registers: int | Literal["auto"] | None = "auto", stages: int = STAGES,
+    query,
+    order,
+    sink_keys,
+    sink_values,
+    sink_len,
+    key_codes_high,
+    key_codes_low,
+    key_scale,
+    key_zero,
+    value_codes,
+    value_scale,
+    value_zero,
+    num_groups,
+    residual_keys,
+    residual_values,
+    residual_len,
+    scaling: float,
+    overflowed: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    max_registers: int | Literal["auto"] | None = "auto",
+    stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
@@ -1197,15 +1495,38 @@ def mma_decode_attention(
         max_registers = register_cap(32 * words, q_heads // heads)
     constants = dict(
         kernel_constants(
-            head_dim, q_heads // heads, 32 * words, c_high,
-            bits_high, key_codes_low.shape[3], value_codes.shape[3], stages,
+            head_dim,
+            q_heads // heads,
+            32 * words,
+            c_high,
+            bits_high,
+            key_codes_low.shape[3],
+            value_codes.shape[3],
+            stages,
         ),
-        num_warps=NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers}),
-    )  # fmt: skip
+        num_warps=NUM_WARPS,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
+    )
     return split_and_merge(
-        _decode_split_kernel_mma, constants, num_splits, overflowed, scaling,
-        query, order, sink_keys, sink_values, sink_len,
-        key_codes_high, key_codes_low, key_scale, key_zero,
-        value_codes, value_scale, value_zero, num_groups,
-        residual_keys, residual_values, residual_len,
-    )  # fmt: skip
+        _decode_split_kernel_mma,
+        constants,
+        num_splits,
+        overflowed,
+        scaling,
+        query,
+        order,
+        sink_keys,
+        sink_values,
+        sink_len,
+        key_codes_high,
+        key_codes_low,
+        key_scale,
+        key_zero,
+        value_codes,
+        value_scale,
+        value_zero,
+        num_groups,
+        residual_keys,
+        residual_values,
+        residual_len,
+    )

@@ -1,11 +1,10 @@
 """One token through a linear layer: ``y = W x + b`` read at the memory's speed (``pnmix::gemv``).
 
 At batch 1 a decode step is bound by reading the weights once: Llama-3.1-8B's step reads
-15.0 GB of them. Measured on an H200 (``benchmarks/diagnostics/gemv_bandwidth.py``,
-``benchmarks/RESULTS.md``, nineteenth session), cuBLAS's one-token products through ``F.linear`` read
-the attention's smaller weights (``[1024, 4096]``, ``[4096, 4096]``) at 25-60% of the device's copy
-bandwidth and the MLP's at 86-90%; every product of a Llama-3.1-8B step, one after the other in one
-CUDA graph, took 4.66 ms through cuBLAS and 3.93 ms through this kernel (floor 3.56 ms).
+15.0 GB of them. cuBLAS's one-token products through ``F.linear`` read the attention's smaller
+weights (``[1024, 4096]``, ``[4096, 4096]``) well below the device's copy bandwidth; this kernel reads
+every weight shape of the 8B models closer to it (``benchmarks/bench_decode.py --gemv`` times whole
+steps with it).
 
 The kernel is a plain one: one program per output row, the row read in ``BLOCK_K``-element
 chunks (16 bytes per thread and load at 4 warps, bf16), multiplied by the same chunk of ``x`` in
@@ -15,9 +14,8 @@ in flight per program).
 
 The same kernel serves up to three weights stacked in one launch (``torch.ops.pnmix.gemv_stacked``:
 a layer's q, k and v projections, read as one ``[N_q + 2 N_kv, K]`` product without concatenating
-the weights): a step then pays one launch and one tail instead of three. On an H200
-(``benchmarks/diagnostics/gemv_fused_sweep.py``) Llama-3.1-8B's q/k/v took 14.5 us stacked, as long as
-one concatenated weight, against 19.0 us in three launches.
+the weights): a step then pays one launch and one tail instead of three. On an H200 Llama-3.1-8B's
+q/k/v take 14.5 us stacked, as long as one concatenated weight, against 19.0 us in three launches.
 
 Registered as ``torch.ops.pnmix.gemv`` (``custom_op`` + ``register_fake``, and a backward so that a
 patched model still trains) and ``torch.ops.pnmix.gemv_stacked`` (inference only): CPU and other
@@ -38,10 +36,9 @@ import triton.language as tl
 from .common import launch_pdl, let_next_kernel_launch, wait_for_previous_kernel
 
 BLOCK_K = 1024
-"""Elements of a row read per iteration. In ``gemv_bandwidth.py``'s sweep (256, 512 or 1024 columns, 1 to
-16 rows per program, 4 or 8 warps) one row per program won for every weight shape of the two 8B
-models on an H200, with 1024 columns for all but the down projections, where 512 won in some runs by
-at most 1.3%."""
+"""Elements of a row read per iteration. Over 256, 512 or 1024 columns, 1 to 16 rows per program and 4 or
+8 warps, one row per program is the fastest for every weight shape of the two 8B models on an H200,
+with 1024 columns (512 is no faster for the down projections)."""
 FEW_ROWS = 2048
 """Up to this many rows the kernel launches 8 warps per program, else 4 (the best measured for 1,024 rows
 and for 4,096 and more, respectively)."""
@@ -60,8 +57,23 @@ def _load_block(ptr, cols, remaining, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w0_ptr, w1_ptr, w2_ptr, b0_ptr, b1_ptr, b2_ptr, y_ptr, K, END0, END1,
-                 HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _gemv_kernel(
+    x_ptr,
+    w0_ptr,
+    w1_ptr,
+    w2_ptr,
+    b0_ptr,
+    b1_ptr,
+    b2_ptr,
+    y_ptr,
+    K,
+    END0,
+    END1,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     # y = [W0; W1; W2] x (+ [b0; b1; b2]), one row per program: rows [0, END0) of y come from W0,
     # [END0, END1) from W1, the rest from W2 (one weight: END0 = END1 = N). The weight is picked
     # with selects, not branches, so that the row pointer keeps its known 16-byte alignment.
@@ -108,10 +120,20 @@ def triton_gemv_stacked(x: torch.Tensor, weights: list[torch.Tensor], biases: li
     end0, end1 = (list(itertools.accumulate(rows)) + [out.numel()] * MAX_STACKED)[:2]  # [N0, N0 + N1] or N
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
         _gemv_kernel[(out.numel(),)](
-            x.contiguous(), *padded_weights, *padded_biases, out, k, end0, end1,
-            HAS_BIAS=bool(biases), BLOCK_K=block, EVEN_K=even, PDL=pdl, launch_pdl=pdl,
+            x.contiguous(),
+            *padded_weights,
+            *padded_biases,
+            out,
+            k,
+            end0,
+            end1,
+            HAS_BIAS=bool(biases),
+            BLOCK_K=block,
+            EVEN_K=even,
+            PDL=pdl,
+            launch_pdl=pdl,
             num_warps=8 if out.numel() <= FEW_ROWS else 4,
-        )  # fmt: skip
+        )
     return out
 
 
@@ -191,8 +213,7 @@ def _gemv_backward(ctx, grad):
     (``dW`` of an LM head is as large as its weight)."""
     x, weight = ctx.saved_tensors
     needs_x, needs_weight, needs_bias = ctx.needs_input_grad
-    return (grad @ weight if needs_x else None, torch.outer(grad, x) if needs_weight else None,
-            grad if needs_bias else None)  # fmt: skip
+    return (grad @ weight if needs_x else None, torch.outer(grad, x) if needs_weight else None, grad if needs_bias else None)
 
 
 gemv.register_autograd(_gemv_backward, setup_context=_gemv_setup_context)

@@ -30,15 +30,24 @@ from .gemv import _check, _load_block, _triton_serves, block_for
 
 BLOCK_K = 512
 """Elements of each row read per iteration (4 warps: 8 bytes per thread and load, twice per
-iteration). In ``gemv_fused_sweep.py`` (H200, K = 4096) 512 columns and 4 warps were the fastest of
-seven shapes for both 8B models' gate/up weights: 58.8 us against 60.6 us at 1024 columns (Llama-3.1-8B,
-2 x [14336, 4096]) and 50.7 against 52.6 us (Qwen3-8B, 2 x [12288, 4096]), 96% of the copy bandwidth;
-the two weights read concatenated through ``pnmix::gemv``, with no activation, took 56.3 / 48.7 us."""
+iteration). On an H200 (K = 4096) 512 columns and 4 warps are the fastest of seven shapes for both
+8B models' gate/up weights (Llama-3.1-8B, 2 x [14336, 4096]; Qwen3-8B, 2 x [12288, 4096])."""
 
 
 @triton.jit
-def _gemv_swiglu_kernel(x_ptr, gate_ptr, up_ptr, gate_bias_ptr, up_bias_ptr, y_ptr, K,
-                        HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr = False):  # fmt: skip
+def _gemv_swiglu_kernel(
+    x_ptr,
+    gate_ptr,
+    up_ptr,
+    gate_bias_ptr,
+    up_bias_ptr,
+    y_ptr,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
     row = tl.program_id(0)
     row_start = row.to(tl.int64) * K  # the same row of both [I, K] weights
     cols = tl.arange(0, BLOCK_K)
@@ -62,8 +71,13 @@ def _gemv_swiglu_kernel(x_ptr, gate_ptr, up_ptr, gate_bias_ptr, up_bias_ptr, y_p
     tl.store(y_ptr + row, (gate * tl.sigmoid(gate) * up).to(y_ptr.dtype.element_ty))
 
 
-def triton_gemv_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-                       gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def triton_gemv_swiglu(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Launch :func:`_gemv_swiglu_kernel`: ``x [K]``, contiguous ``gate_weight`` and ``up_weight [I, K]``,
     both biases ``[I]`` or neither; returns ``[I]`` in ``x``'s dtype."""
     rows, k = gate_weight.shape
@@ -75,15 +89,30 @@ def triton_gemv_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: to
     pdl = launch_pdl(x)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # launch on the tensors' GPU
         _gemv_swiglu_kernel[(rows,)](
-            x.contiguous(), gate_weight, up_weight, gate_bias.contiguous() if has_bias else out,
-            up_bias.contiguous() if has_bias else out, out, k, HAS_BIAS=has_bias, BLOCK_K=block, EVEN_K=even,
-            PDL=pdl, launch_pdl=pdl, num_warps=4,
-        )  # fmt: skip
+            x.contiguous(),
+            gate_weight,
+            up_weight,
+            gate_bias.contiguous() if has_bias else out,
+            up_bias.contiguous() if has_bias else out,
+            out,
+            k,
+            HAS_BIAS=has_bias,
+            BLOCK_K=block,
+            EVEN_K=even,
+            PDL=pdl,
+            launch_pdl=pdl,
+            num_warps=4,
+        )
     return out
 
 
-def gemv_swiglu_reference(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-                          gate_bias: torch.Tensor | None = None, up_bias: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def gemv_swiglu_reference(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    up_weight: torch.Tensor,
+    gate_bias: torch.Tensor | None = None,
+    up_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)``, as the models compute it."""
     return F.silu(F.linear(x, gate_weight, gate_bias)) * F.linear(x, up_weight, up_bias)
 
@@ -98,8 +127,9 @@ def _check_swiglu(x, gate_weight, up_weight, gate_bias, up_bias) -> None:
 
 
 @torch.library.custom_op("pnmix::gemv_swiglu", mutates_args=())
-def gemv_swiglu(x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor,
-                gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+def gemv_swiglu(
+    x: torch.Tensor, gate_weight: torch.Tensor, up_weight: torch.Tensor, gate_bias: torch.Tensor | None, up_bias: torch.Tensor | None
+) -> torch.Tensor:
     """``silu(gate_weight @ x + gate_bias) * (up_weight @ x + up_bias)`` for one token: ``x [K]``, weights
     ``[I, K]``, biases ``[I]`` (both or neither) -> ``[I]``, all of one dtype. This default
     implementation is :func:`gemv_swiglu_reference`; CUDA runs Triton. The weights are read early with

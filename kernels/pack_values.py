@@ -37,10 +37,25 @@ FIELD_SIGN_FLIP = tl.constexpr(_FIELD_SIGN_FLIP)
 
 @triton.jit
 def pack_value_tokens(
-    values_ptr, codes_ptr, scale_ptr, zero_ptr, offs_t, t_mask, offs_out, in_full_block,
-    s_vt, s_vd, s_st, s_sg,
-    D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
-    BITS: tl.constexpr, MIDPOINT: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
+    values_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    offs_t,
+    t_mask,
+    offs_out,
+    in_full_block,
+    s_vt,
+    s_vd,
+    s_st,
+    s_sg,
+    D: tl.constexpr,
+    GV: tl.constexpr,
+    NG_PAD: tl.constexpr,
+    GV_PAD: tl.constexpr,
+    BITS: tl.constexpr,
+    MIDPOINT: tl.constexpr,
+    TOKEN_BLOCK: tl.constexpr,
 ):
     """Quantize the tokens ``offs_t`` (where ``t_mask``) of one (sequence, KV head) into
     the token slots ``offs_out``, consecutive from a multiple of 4 (so are ``offs_t``); the
@@ -99,23 +114,55 @@ def pack_value_tokens(
 
 @triton.jit
 def _pack_values_kernel(
-    values_ptr, codes_ptr, scale_ptr, zero_ptr,
-    num_heads, num_tokens,
-    s_vb, s_vh, s_vt, s_vd,
-    s_cb, s_ch,
-    s_sb, s_sh, s_st, s_sg,
-    D: tl.constexpr, GV: tl.constexpr, NG_PAD: tl.constexpr, GV_PAD: tl.constexpr,
-    BITS: tl.constexpr, MIDPOINT: tl.constexpr, BLOCK_T: tl.constexpr, TOKEN_BLOCK: tl.constexpr,
+    values_ptr,
+    codes_ptr,
+    scale_ptr,
+    zero_ptr,
+    num_heads,
+    num_tokens,
+    s_vb,
+    s_vh,
+    s_vt,
+    s_vd,
+    s_cb,
+    s_ch,
+    s_sb,
+    s_sh,
+    s_st,
+    s_sg,
+    D: tl.constexpr,
+    GV: tl.constexpr,
+    NG_PAD: tl.constexpr,
+    GV_PAD: tl.constexpr,
+    BITS: tl.constexpr,
+    MIDPOINT: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    TOKEN_BLOCK: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     b = (pid_bh // num_heads).to(tl.int64)
     h = (pid_bh % num_heads).to(tl.int64)
     offs_t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     pack_value_tokens(
-        values_ptr + b * s_vb + h * s_vh, codes_ptr + b * s_cb + h * s_ch,
-        scale_ptr + b * s_sb + h * s_sh, zero_ptr + b * s_sb + h * s_sh,
-        offs_t, offs_t < num_tokens, offs_t, (offs_t // TOKEN_BLOCK + 1) * TOKEN_BLOCK <= num_tokens,
-        s_vt, s_vd, s_st, s_sg, D, GV, NG_PAD, GV_PAD, BITS, MIDPOINT, TOKEN_BLOCK,
+        values_ptr + b * s_vb + h * s_vh,
+        codes_ptr + b * s_cb + h * s_ch,
+        scale_ptr + b * s_sb + h * s_sh,
+        zero_ptr + b * s_sb + h * s_sh,
+        offs_t,
+        offs_t < num_tokens,
+        offs_t,
+        (offs_t // TOKEN_BLOCK + 1) * TOKEN_BLOCK <= num_tokens,
+        s_vt,
+        s_vd,
+        s_st,
+        s_sg,
+        D,
+        GV,
+        NG_PAD,
+        GV_PAD,
+        BITS,
+        MIDPOINT,
+        TOKEN_BLOCK,
     )
 
 
@@ -141,10 +188,18 @@ def launch_pack_values(values, codes, scale, zero, midpoint_correction, token_bl
     batch, heads, tokens, head_dim = values.shape
     channel_groups = scale.shape[-1]
     _pack_values_kernel[(batch * heads, triton.cdiv(tokens, BLOCK_T))](
-        values, codes, scale, zero,
-        heads, tokens,
-        *values.stride(), *codes.stride()[:2], *scale.stride(),
-        **value_layout(head_dim, channel_groups, codes.shape[3]), MIDPOINT=midpoint_correction, BLOCK_T=BLOCK_T,
+        values,
+        codes,
+        scale,
+        zero,
+        heads,
+        tokens,
+        *values.stride(),
+        *codes.stride()[:2],
+        *scale.stride(),
+        **value_layout(head_dim, channel_groups, codes.shape[3]),
+        MIDPOINT=midpoint_correction,
+        BLOCK_T=BLOCK_T,
         TOKEN_BLOCK=token_block,
         enable_fp_fusion=False,  # see common.py: no fused multiply-add, codes must match torch
     )
@@ -154,7 +209,10 @@ def value_layout(head_dim: int, channel_groups: int, bits: int) -> dict:
     """The layout constants of :func:`pack_value_tokens`."""
     group = head_dim // channel_groups
     return dict(
-        D=head_dim, GV=group, NG_PAD=triton.next_power_of_2(channel_groups), GV_PAD=triton.next_power_of_2(group),
+        D=head_dim,
+        GV=group,
+        NG_PAD=triton.next_power_of_2(channel_groups),
+        GV_PAD=triton.next_power_of_2(group),
         BITS=bits,
     )
 

@@ -11,9 +11,7 @@ SUPPORTED_MODEL_TYPES = tuple(PATCHES)
 def get_patch(model_type: str) -> ArchitecturePatch:
     """The adapter for ``model_type``; a clear error for anything else."""
     if model_type not in PATCHES:
-        raise ValueError(
-            f"model_type={model_type!r} is not supported by PN-Mix: supported model types are {list(SUPPORTED_MODEL_TYPES)}"
-        )
+        raise ValueError(f"model_type={model_type!r} is not supported by PN-Mix: supported model types are {list(SUPPORTED_MODEL_TYPES)}")
     return PATCHES[model_type]
 
 

@@ -35,9 +35,9 @@ import itertools
 
 import torch
 from transformers import AttentionInterface
+from transformers.activations import SiLUActivation
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.activations import SiLUActivation
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import PNMixAttention
@@ -81,7 +81,7 @@ class PNMixDecoder(RuntimeMixin):
         super().__init_subclass__(**kwargs)
         if PNMixDecoder not in cls.__bases__:
             return  # a subclass of a patched decoder's class keeps its own forward
-        own = super(PNMixDecoder, cls).forward
+        own = super().forward
         parameters = list(inspect.signature(own).parameters)[1:]  # after self
         cache_name = "cache" if "cache" in parameters else "past_key_values"
         cls._pnmix_cache_argument = cache_name, parameters.index(cache_name)
@@ -148,8 +148,10 @@ def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix
     if not attentions:
         raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
     decoder = _decoder_of(model)
-    set_classes([(decoder, mixed_class(PNMixDecoder, type(decoder)))]
-                + [(attention, mixed_class(PNMixAttention, type(attention))) for attention in attentions])  # fmt: skip
+    set_classes(
+        [(decoder, mixed_class(PNMixDecoder, type(decoder)))]
+        + [(attention, mixed_class(PNMixAttention, type(attention))) for attention in attentions]
+    )
     for attention in attentions:
         # A copy per module: one adapter shared by all of them would cost a compiled call one
         # Python "is" test per layer in Dynamo's guards.
@@ -272,8 +274,12 @@ def _reusable_static_cache(max_cache_len: int, decoder) -> PNMixStaticCache:
     so a compiled decode step and its CUDA graphs are reused), or a new one."""
     state = decoder._pnmix_state
     cache, devices = state.static_cache, _layer_devices(decoder)
-    if (cache is None or cache.pnmix_config != state.pnmix_config or cache.layers[0].max_cache_len != max_cache_len
-            or cache.layer_devices != (devices or [None] * len(cache.layers))):  # fmt: skip
+    if (
+        cache is None
+        or cache.pnmix_config != state.pnmix_config
+        or cache.layers[0].max_cache_len != max_cache_len
+        or cache.layer_devices != (devices or [None] * len(cache.layers))
+    ):
         cache = PNMixStaticCache(decoder.config, state.pnmix_config, state.adapter.pairing, max_cache_len, devices)
         state.static_cache = cache
     else:
@@ -308,21 +314,24 @@ def patch_gemv(model: torch.nn.Module) -> torch.nn.Module:
             ``forward`` set on the instance (other than accelerate's hooks, which keep running, see
             :func:`~pnmix_patch.mixins.set_classes`). Nothing is changed then.
 
-    The gain was measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
-    ``torch.compile(..., mode="reduce-overhead")``, ``benchmarks/RESULTS.md``). Eager, each product
-    also pays a custom op's and a Triton launch's host time (not measured on a GPU). A model patched
+    The gain is measured with the decode step replayed as a CUDA graph (``GraphedDecodeStep`` or
+    ``torch.compile(..., mode="reduce-overhead")``, ``docs/performance.md``). Eager, each product
+    also pays a custom op's and a Triton launch's host time (unmeasured on a GPU). A model patched
     by this function (and :func:`~pnmix_patch.patch_model`) deep-copies and pickles (``torch.save(model)``),
     and loads patched where ``pnmix_patch`` imports. Its ``state_dict`` and ``save_pretrained`` are unchanged.
     Layers hooked by accelerate (CPU offload) before patching keep their hooks, around the new forward.
     """
     modules = list(model.modules())
     if not any(type(module) in (torch.nn.Linear, GemvLinear) for module in modules):
-        raise ValueError(f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
-                         "(subclasses, such as quantized linear layers, are left alone)")
+        raise ValueError(
+            f"{type(model).__name__} has no layer of the exact class torch.nn.Linear to patch "
+            "(subclasses, such as quantized linear layers, are left alone)"
+        )
     mlp_class = _gated_mlp_class(model)
     gated = [m for m in modules if type(m) is mlp_class and isinstance(m.act_fn, (torch.nn.SiLU, SiLUActivation))]
-    set_classes([(m, GemvLinear) for m in modules if type(m) is torch.nn.Linear]
-                + [(m, mixed_class(GemvGatedMLP, mlp_class)) for m in gated])  # fmt: skip
+    set_classes(
+        [(m, GemvLinear) for m in modules if type(m) is torch.nn.Linear] + [(m, mixed_class(GemvGatedMLP, mlp_class)) for m in gated]
+    )
     return model
 
 

@@ -1,6 +1,6 @@
 """The PN-Mix KV cache: a transformers ``Cache`` whose layers hold packed integers.
 
-Token regions of every sequence ``b`` (``shared/PNMIX_SPEC.md`` section 3)::
+Token regions of every sequence ``b`` (``docs/method.md``, "Online quantization")::
 
     [ sinks: first N_s tokens, 16-bit ][ quantized groups of G tokens ][ residual: 1..N newest, 16-bit ]
 
@@ -32,25 +32,45 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .reference.attention import cache_attention, chunk_attention, chunk_validity
 from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
 from .kernels.pack_values import pack_values
+from .reference.attention import cache_attention, chunk_attention, chunk_validity
 from .reference.quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
 from .reference.selection import (
-    PAIRINGS, group_channel_masks, pack_mask, pair_norms, pair_scores, pairs_to_channels, select_top_pairs, split_pairs,
+    PAIRINGS,
+    group_channel_masks,
+    pack_mask,
+    pair_norms,
+    pair_scores,
+    pairs_to_channels,
+    select_top_pairs,
+    split_pairs,
     unpack_mask,
-)  # fmt: skip
+)
 
 _STATE = (
-    "sink_keys", "sink_values", "sink_len",
-    "residual_keys", "residual_values", "residual_len",
-    "key_codes_high", "key_codes_low", "key_scale", "key_zero",
-    "value_codes", "value_scale", "value_zero", "num_groups",
-    "pair_mask_bits", "selected",
-    "group_mask_bits", "query_norm_sum", "query_count",
-)  # fmt: skip
+    "sink_keys",
+    "sink_values",
+    "sink_len",
+    "residual_keys",
+    "residual_values",
+    "residual_len",
+    "key_codes_high",
+    "key_codes_low",
+    "key_scale",
+    "key_zero",
+    "value_codes",
+    "value_scale",
+    "value_zero",
+    "num_groups",
+    "pair_mask_bits",
+    "selected",
+    "group_mask_bits",
+    "query_norm_sum",
+    "query_count",
+)
 
 
 class PNMixLayer(CacheLayerMixin):
@@ -93,7 +113,10 @@ class PNMixLayer(CacheLayerMixin):
 
         scale_dtype = scale_dtype_for(self.dtype)
         words = pnmix_config.key_group_size // 32
-        self.sink_keys, self.sink_values = floats(batch, heads, pnmix_config.sink_tokens, head_dim), floats(batch, heads, pnmix_config.sink_tokens, head_dim)
+        self.sink_keys, self.sink_values = (
+            floats(batch, heads, pnmix_config.sink_tokens, head_dim),
+            floats(batch, heads, pnmix_config.sink_tokens, head_dim),
+        )
         self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
         self.residual_values = floats(batch, heads, residual_capacity, head_dim)
         self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
@@ -239,12 +262,24 @@ class PNMixLayer(CacheLayerMixin):
 
     def _decode_attention(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         return decode_attention(
-            query, channel_order(self.channel_mask),
-            self.sink_keys, self.sink_values, self.sink_len,
-            self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero,
-            self.value_codes, self.value_scale, self.value_zero, self.num_groups,
-            self.residual_keys, self.residual_values, self.residual_len, scaling,
-        )  # fmt: skip
+            query,
+            channel_order(self.channel_mask),
+            self.sink_keys,
+            self.sink_values,
+            self.sink_len,
+            self.key_codes_high,
+            self.key_codes_low,
+            self.key_scale,
+            self.key_zero,
+            self.value_codes,
+            self.value_scale,
+            self.value_zero,
+            self.num_groups,
+            self.residual_keys,
+            self.residual_values,
+            self.residual_len,
+            scaling,
+        )
 
     @property
     def residual_capacity(self) -> int:
@@ -323,11 +358,15 @@ class PNMixLayer(CacheLayerMixin):
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
         codes_high, codes_low, key_scale, key_zero, group_masks = self._pack_key_groups(block_k, rows)
-        value_codes, value_scale, value_zero = pack_values(block_v, pnmix_config.value_bits, self.value_group, pnmix_config.midpoint_correction, group)
+        value_codes, value_scale, value_zero = pack_values(
+            block_v, pnmix_config.value_bits, self.value_group, pnmix_config.midpoint_correction, group
+        )
 
         new_groups = counts[rows] // group
         self._reserve_groups(int((self.num_groups[rows] + new_groups).max()))
-        group_rows, group_cols = torch.nonzero(torch.arange(longest // group, device=keys.device)[None] < new_groups[:, None], as_tuple=True)
+        group_rows, group_cols = torch.nonzero(
+            torch.arange(longest // group, device=keys.device)[None] < new_groups[:, None], as_tuple=True
+        )
         target_rows, target_groups = rows[group_rows], self.num_groups[rows][group_rows] + group_cols
         self.key_codes_high[target_rows, :, target_groups] = codes_high[group_rows, :, group_cols]
         self.key_codes_low[target_rows, :, target_groups] = codes_low[group_rows, :, group_cols]
@@ -355,7 +394,15 @@ class PNMixLayer(CacheLayerMixin):
         pnmix_config = self.pnmix_config
 
         def pack(keys, order):
-            return pack_keys(keys, order, self.num_high, pnmix_config.key_group_size, pnmix_config.key_bits_high, pnmix_config.key_bits_low, pnmix_config.midpoint_correction)
+            return pack_keys(
+                keys,
+                order,
+                self.num_high,
+                pnmix_config.key_group_size,
+                pnmix_config.key_bits_high,
+                pnmix_config.key_bits_low,
+                pnmix_config.midpoint_correction,
+            )
 
         if pnmix_config.reselection == "prefill":
             return (*pack(block_k, channel_order(self.channel_mask[rows])), None)
@@ -428,7 +475,9 @@ class PNMixLayer(CacheLayerMixin):
             "masks": (
                 size("group_mask_bits", "query_norm_sum", "query_count")
                 if self.pnmix_config.reselection == "per_group"
-                else size("pair_mask_bits") if 0 < self.num_high < self.head_dim else 0
+                else size("pair_mask_bits")
+                if 0 < self.num_high < self.head_dim
+                else 0
             ),
             "lengths": size("sink_len", "residual_len", "num_groups", "selected"),
             # element slots of the quantized region (per keys, and per values)
@@ -437,8 +486,15 @@ class PNMixLayer(CacheLayerMixin):
 
 
 MEMORY_PARTS = (
-    "sinks", "residual", "packed_keys", "packed_values", "key_scales_zeros", "value_scales_zeros", "masks", "lengths",
-)  # fmt: skip
+    "sinks",
+    "residual",
+    "packed_keys",
+    "packed_values",
+    "key_scales_zeros",
+    "value_scales_zeros",
+    "masks",
+    "lengths",
+)
 
 
 def summarize_memory(parts: dict[str, int]) -> dict:
@@ -451,9 +507,7 @@ def summarize_memory(parts: dict[str, int]) -> dict:
     report["key_bits_per_element"] = (
         8 * (parts["packed_keys"] + parts["key_scales_zeros"] + parts["masks"]) / elements if elements else math.nan
     )
-    report["value_bits_per_element"] = (
-        8 * (parts["packed_values"] + parts["value_scales_zeros"]) / elements if elements else math.nan
-    )
+    report["value_bits_per_element"] = 8 * (parts["packed_values"] + parts["value_scales_zeros"]) / elements if elements else math.nan
     return report
 
 

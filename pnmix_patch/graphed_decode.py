@@ -4,11 +4,10 @@
 call first runs Dynamo's guards, gathers the graph's inputs (every weight and every cache
 tensor: for a 32-layer 8B model about 290 weights, and 18 PN-Mix or 64 bf16 cache tensors) and
 lets the CUDA-graph tree check their addresses and bump the version counters of the mutated
-ones. At batch 1 that host work (0.41-1.10 ms per call measured on an H200 host, Llama-3.1-8B
-and Qwen3-8B shapes, bf16 and the stacked PN-Mix cache, with no profiler in the process) is as
-long as a thirteenth to a sixth of the GPU's step, and a loop that reads each token before feeding
-it back waits for it on every step: replayed by this class, bf16's synchronized 1K step took 6% less
-time than through ``reduce-overhead`` (Llama-3.1-8B) and 14% less (Qwen3-8B).
+ones. At batch 1 that host work (0.66-1.11 ms per synchronized call on an H100 host, Llama-3.1-8B
+and Qwen3-8B shapes, bf16 and the PN-Mix cache, against 64-76 us replayed by this class;
+``docs/performance.md``) is a large part of a 6-8 ms step, and a loop that reads each token before
+feeding it back waits for it on every step.
 
 :class:`GraphedDecodeStep` is the gpt-fast pattern without that layer: the step is compiled
 (``fullgraph=True``, no CUDA graphs of its own), run for real a few times, then captured once
@@ -22,10 +21,9 @@ runs the compiled step.
 On GPUs of compute capability 9.0 and up (with a Triton that has it) the step's kernels launch
 with programmatic dependent launch (PDL) by default: each kernel's programs may start while the
 one before it finishes, and wait on the GPU for its writes. Both the library's kernels (:mod:`pnmix_patch.kernels.common`) and
-the kernels Inductor compiles for the step (``triton.enable_pdl``) launch so. Measured on an H200
-(``benchmarks/RESULTS.md``, twenty-fourth session; batch 1, ``patch_gemv``, medians of turns): 0.968-0.971x
-the step's time at 32K and 0.990-0.993x at 1K, Qwen3-8B and Llama-3.1-8B shapes; 0.989x at batch 32
-(Qwen3-8B, 8K).
+the kernels Inductor compiles for the step (``triton.enable_pdl``) launch so. On an H200 (batch 1,
+``patch_gemv``) a step takes 0.968-0.971x its time without PDL at 32K and 0.990-0.993x at 1K,
+Qwen3-8B and Llama-3.1-8B shapes; 0.989x at batch 32 (Qwen3-8B, 8K; ``docs/performance.md``).
 """
 
 from __future__ import annotations
@@ -131,8 +129,10 @@ class GraphedDecodeStep:
     def _compile(self, device: torch.device) -> None:
         has_pdl = device.type == "cuda" and common.has_pdl(device.index)
         if self._pdl_asked and not has_pdl:
-            raise ValueError(f"pdl=True: the token ids are on {device}; programmatic dependent launch needs a CUDA GPU "
-                             "of compute capability 9.0 or newer and a Triton that has it (pdl=None uses it where it can)")  # fmt: skip
+            raise ValueError(
+                f"pdl=True: the token ids are on {device}; programmatic dependent launch needs a CUDA GPU "
+                "of compute capability 9.0 or newer and a Triton that has it (pdl=None uses it where it can)"
+            )
         self.pdl = has_pdl if self._pdl_asked is None else self._pdl_asked
         # No CUDA graphs of torch.compile's own: this class captures the whole step once. Inductor's
         # kernels launch with PDL or not as the library's do (its switch is read when it compiles).

@@ -3,7 +3,7 @@
 A batch-1 decode step reads every weight once, and the products' speed decides most of its time
 once the cache is small (at 32K tokens PN-Mix's step reads 0.62 GB of cache against 15.0 GB of
 Llama-3.1-8B's weights). On CUDA, ``torch.ops.pnmix.gemv`` (``kernels/gemv.py``) reads them closer
-to the memory's speed than cuBLAS does through ``F.linear`` at one token (``benchmarks/RESULTS.md``).
+to the memory's speed than cuBLAS does through ``F.linear`` at one token (``docs/performance.md``).
 This is independent of the cache: it serves a PN-Mix patched model and an unpatched one alike
 (a fair bf16 baseline too).
 
@@ -42,8 +42,12 @@ def _one_token(x: torch.Tensor, linear: torch.nn.Linear) -> bool:
     """``x`` is one token (``[..., in_features]``, every leading dim 1) of the weight's dtype, the
     weight a plain parameter (not a tensor subclass such as a sharded ``DTensor``) and autocast off
     (it would cast the operands)."""
-    return (x.shape[:-1].numel() == 1 and x.dtype == linear.weight.dtype and type(linear.weight) is torch.nn.Parameter
-            and not torch.is_autocast_enabled(x.device.type))  # fmt: skip
+    return (
+        x.shape[:-1].numel() == 1
+        and x.dtype == linear.weight.dtype
+        and type(linear.weight) is torch.nn.Parameter
+        and not torch.is_autocast_enabled(x.device.type)
+    )
 
 
 def _unhooked(module: torch.nn.Module) -> bool:
@@ -58,9 +62,12 @@ def _fusable(x: torch.Tensor, linears) -> bool:
     :class:`GemvLinear` that would send ``x`` to the op and has no hook (a fused launch never calls the
     layers, so their hooks could not run), they all have a bias or none does, and no gradient is needed."""
     wants_grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for m in linears for p in m.parameters()))
-    return (not wants_grad and 1 <= len(linears) <= MAX_STACKED
-            and all(type(m) is GemvLinear and _one_token(x, m) and _unhooked(m) for m in linears)
-            and len({m.bias is None for m in linears}) == 1)  # fmt: skip
+    return (
+        not wants_grad
+        and 1 <= len(linears) <= MAX_STACKED
+        and all(type(m) is GemvLinear and _one_token(x, m) and _unhooked(m) for m in linears)
+        and len({m.bias is None for m in linears}) == 1
+    )
 
 
 class GemvLinear(torch.nn.Linear):

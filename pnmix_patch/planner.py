@@ -45,16 +45,30 @@ from .config import PNMixConfig, resolve_config
 
 MODEL_SHAPES = {
     "qwen3-8b": dict(
-        model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        model_type="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
         tie_word_embeddings=False,
     ),
     # llama3 RoPE scaling is left out: it changes the rotation frequencies, not sizes or cost.
     "llama-3.1-8b": dict(
-        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, tie_word_embeddings=False,
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 """Configs of real model shapes (random weights time and size the same as real ones)."""
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -192,10 +206,15 @@ class CapacityPlanner:
         preset = resolve_config(preset)
         positions = prompt + generated
         result = {
-            "model_type": self.config.model_type, "dtype": str(self.dtype).replace("torch.", ""), "preset": preset.name,
-            "batch": batch, "prompt": prompt, "generated": generated, "weight_bytes": self.weight_bytes,
+            "model_type": self.config.model_type,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "preset": preset.name,
+            "batch": batch,
+            "prompt": prompt,
+            "generated": generated,
+            "weight_bytes": self.weight_bytes,
             "bf16_attention": self.bf16_attention,
-        }  # fmt: skip
+        }
         for label, method in (("bf16", None), (preset.name, preset)):
             entry = {
                 "cache_bytes": self.cache_bytes(method, batch, positions),
@@ -236,7 +255,8 @@ def format_plan(plan: dict) -> str:
     lines = [
         f"{plan['model_type']} ({plan['dtype']}), batch {plan['batch']}, prompt {plan['prompt']} + "
         f"{plan['generated']} generated tokens; weights {plan['weight_bytes'] / gib:.2f} GiB",
-        f"{'':12s} {'KV cache':>12s} {'working':>10s} {'peak':>10s}" + ("  largest batch  longest generation" if "budget_bytes" in plan else ""),
+        f"{'':12s} {'KV cache':>12s} {'working':>10s} {'peak':>10s}"
+        + ("  largest batch  longest generation" if "budget_bytes" in plan else ""),
     ]
     for label in ("bf16", preset):
         entry = plan[label]
@@ -244,22 +264,30 @@ def format_plan(plan: dict) -> str:
         if "budget_bytes" in plan:
             line += f"  {entry['largest_batch']:13d}  {entry['longest_generation']:18d}"
         lines.append(line)
-    lines.append(f"cache compression: {plan['cache_ratio']:.2f}x" + (
-        f"; budget {plan['budget_bytes'] / gib:.2f} GiB" if "budget_bytes" in plan else ""))
+    lines.append(
+        f"cache compression: {plan['cache_ratio']:.2f}x"
+        + (f"; budget {plan['budget_bytes'] / gib:.2f} GiB" if "budget_bytes" in plan else "")
+    )
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The planner's command-line options (``pnmix plan`` and ``python -m pnmix_patch.planner``)."""
-    parser.add_argument("--model", required=True, help=f"a shape ({', '.join(MODEL_SHAPES)}), 'smollm2', a .gguf file, a folder or a hub id")
+    parser.add_argument(
+        "--model", required=True, help=f"a shape ({', '.join(MODEL_SHAPES)}), 'smollm2', a .gguf file, a folder or a hub id"
+    )
     parser.add_argument("--preset", default="pnmix-1")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--prompt", type=int, default=141, help="prompt tokens (default 141)")
     parser.add_argument("--generate", type=int, default=8192, help="generated tokens (default 8192)")
     parser.add_argument("--budget", default=None, help="memory budget, e.g. 40GB or 39.5GiB: adds the largest batch and longest generation")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--bf16-attention", default="stock", choices=CapacityPlanner.BF16_ATTENTION,
-                        help="bf16 decode attention: 'stock' transformers SDPA (expands the KV heads) or 'gqa' (enable_gqa)")
+    parser.add_argument(
+        "--bf16-attention",
+        default="stock",
+        choices=CapacityPlanner.BF16_ATTENTION,
+        help="bf16 decode attention: 'stock' transformers SDPA (expands the KV heads) or 'gqa' (enable_gqa)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 

@@ -43,19 +43,34 @@ import warnings
 
 import torch
 
-from .reference.attention import chunk_validity
 from .cache import _STATE, PNMixCache, PNMixLayer
 from .config import PNMixConfig
 from .kernels.decode_append import decode_append, decode_rotate_append
 from .kernels.decode_attention import decode_attention
+from .reference.attention import chunk_validity
 from .reference.quantize import channel_order
 
 _STATIC_STATE = (*_STATE, "order", "overflowed", "arrivals")
 _DECODE_STATE = (
-    "order", "sink_keys", "sink_values", "sink_len", "residual_keys", "residual_values", "residual_len",
-    "key_codes_high", "key_codes_low", "key_scale", "key_zero",
-    "value_codes", "value_scale", "value_zero", "num_groups", "overflowed", "arrivals", "cumulative_length",
-)  # fmt: skip
+    "order",
+    "sink_keys",
+    "sink_values",
+    "sink_len",
+    "residual_keys",
+    "residual_values",
+    "residual_len",
+    "key_codes_high",
+    "key_codes_low",
+    "key_scale",
+    "key_zero",
+    "value_codes",
+    "value_scale",
+    "value_zero",
+    "num_groups",
+    "overflowed",
+    "arrivals",
+    "cumulative_length",
+)
 
 
 class _LayerStack:
@@ -87,7 +102,8 @@ class _LayerStack:
                 warnings.warn(
                     f"static PN-Mix cache: a layer's {name} is {tuple(tensor.shape)} {tensor.dtype} on {tensor.device}, "
                     f"its stack's {stacked}: the layer keeps tensors of its own (its slot stays allocated, unused, "
-                    "and memory_report does not count it)"
+                    "and memory_report does not count it)",
+                    stacklevel=2,
                 )
                 return None
         for name, tensor in own.items():
@@ -122,7 +138,7 @@ class PNMixStaticLayer(PNMixLayer):
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill
         self.stack: _LayerStack | None = None  # set by PNMixStaticCache, with the layer's slot in it
         self.stack_index = 0
-        self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors this layer adopted into
+        self._stacks: dict[str, torch.Tensor] | None = None  # the stacked tensors holding this layer's (_LayerStack.adopt)
         self._storage: dict[str, torch.Tensor] = {}  # the layer's state tensors (_STATIC_STATE), once allocated
         # The decode step reads this bool, not self.pnmix_config: every layer holds the same config, and
         # Dynamo checks such a shared object on every call with one Python "is" test per layer.
@@ -212,9 +228,7 @@ class PNMixStaticLayer(PNMixLayer):
         if self.is_initialized:
             indices = indices.to(self.device)
             if indices.shape[0] != self.batch_size:
-                raise ValueError(
-                    f"a static PN-Mix cache keeps its batch size {self.batch_size}; got {indices.shape[0]} indices"
-                )
+                raise ValueError(f"a static PN-Mix cache keeps its batch size {self.batch_size}; got {indices.shape[0]} indices")
             for tensor in self._storage.values():
                 tensor.copy_(tensor.index_select(0, indices))
 
@@ -271,13 +285,23 @@ class PNMixStaticLayer(PNMixLayer):
 
     def _decode_step(self, query, key, value, scaling, rotation=None) -> torch.Tensor:
         s = {name: self._state(name) for name in _DECODE_STATE}
-        packed = [s[name] for name in ("key_codes_high", "key_codes_low", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")]
+        packed = [
+            s[name] for name in ("key_codes_high", "key_codes_low", "key_scale", "key_zero", "value_codes", "value_scale", "value_zero")
+        ]
         cache = (
-            s["order"], s["sink_keys"], s["sink_values"], s["sink_len"],
-            s["residual_keys"], s["residual_values"], s["residual_len"],
-            *packed, s["num_groups"], s["overflowed"], s["arrivals"],
+            s["order"],
+            s["sink_keys"],
+            s["sink_values"],
+            s["sink_len"],
+            s["residual_keys"],
+            s["residual_values"],
+            s["residual_len"],
+            *packed,
+            s["num_groups"],
+            s["overflowed"],
+            s["arrivals"],
             self.midpoint_correction,
-        )  # fmt: skip
+        )
         if rotation is None:
             decode_append(key[:, :, 0], value[:, :, 0], *cache)
             query = query[:, :, 0]
@@ -285,16 +309,25 @@ class PNMixStaticLayer(PNMixLayer):
             query = decode_rotate_append(query[:, :, 0], key[:, :, 0], value[:, :, 0], *rotation, *cache)
         s["cumulative_length"].add_(1)
         output = decode_attention(
-            query, s["order"],
-            s["sink_keys"], s["sink_values"], s["sink_len"],
-            *packed, s["num_groups"],
-            s["residual_keys"], s["residual_values"], s["residual_len"], scaling, s["overflowed"],
-        )  # fmt: skip
+            query,
+            s["order"],
+            s["sink_keys"],
+            s["sink_values"],
+            s["sink_len"],
+            *packed,
+            s["num_groups"],
+            s["residual_keys"],
+            s["residual_values"],
+            s["residual_len"],
+            scaling,
+            s["overflowed"],
+        )
         return output.unsqueeze(2)
 
     def memory_bytes(self) -> dict[str, int]:
         parts = super().memory_bytes()
         if self.is_initialized:
+
             def size(tensor):
                 return tensor.numel() * tensor.element_size()
 
@@ -323,8 +356,14 @@ class PNMixStaticCache(PNMixCache):
 
     layer_class = PNMixStaticLayer
 
-    def __init__(self, config, pnmix_config: PNMixConfig | str = "pnmix-1", pairing: str = "half",
-                 max_cache_len: int | None = None, layer_devices=None):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        pnmix_config: PNMixConfig | str = "pnmix-1",
+        pairing: str = "half",
+        max_cache_len: int | None = None,
+        layer_devices=None,
+    ):
         if max_cache_len is None:
             raise ValueError("a static PN-Mix cache needs max_cache_len (prompt plus generated tokens)")
         super().__init__(config, pnmix_config, pairing, max_cache_len)

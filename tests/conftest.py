@@ -11,9 +11,9 @@ import io
 import pytest
 import torch
 from transformers import (
-    LlamaModel,
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaModel,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,

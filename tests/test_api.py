@@ -186,9 +186,16 @@ def test_sampling_generation_runs_through_the_pnmix_cache():
     ids, mask = padded((30, 18))
     torch.manual_seed(0)
     output = model.generate(
-        ids, attention_mask=mask, max_new_tokens=60, do_sample=True, top_k=20, top_p=0.95, temperature=0.6,
-        pad_token_id=0, return_dict_in_generate=True,
-    )  # fmt: skip
+        ids,
+        attention_mask=mask,
+        max_new_tokens=60,
+        do_sample=True,
+        top_k=20,
+        top_p=0.95,
+        temperature=0.6,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+    )
     cache = output_cache(output)
     assert isinstance(cache, PNMixCache) and int(cache.layers[0].num_groups.max()) >= 2
 

@@ -89,9 +89,8 @@ def test_the_package_does_not_import_its_own_facade():
 @pytest.mark.parametrize("name", sorted(n for n in MODULES if n != "pnmix_patch"))
 def test_imports_run_downward(name):
     upward = sorted(t for t in GRAPH[name] if t != "pnmix_patch" and layer_of(t) > layer_of(name))
-    assert not upward, (
-        f"{name} ({LAYERS[layer_of(name)][0]}) imports from higher layers: "
-        + ", ".join(f"{t} ({LAYERS[layer_of(t)][0]})" for t in upward)
+    assert not upward, f"{name} ({LAYERS[layer_of(name)][0]}) imports from higher layers: " + ", ".join(
+        f"{t} ({LAYERS[layer_of(t)][0]})" for t in upward
     )
 
 

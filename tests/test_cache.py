@@ -61,9 +61,7 @@ def test_decode_step_sees_quantized_past_and_exact_residual():
     last_query = query[:, :, -1:]
     cached_keys = torch.cat([layer.sink_keys, keys[:, :, :groups], layer.residual_keys[:, :, :residual]], 2)
     cached_values = torch.cat([layer.sink_values, values[:, :, :groups], layer.residual_values[:, :, :residual]], 2)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        last_query, cached_keys, cached_values, scale=0.2, enable_gqa=True
-    )
+    expected = torch.nn.functional.scaled_dot_product_attention(last_query, cached_keys, cached_values, scale=0.2, enable_gqa=True)
     # the residual already holds this step's own token, exactly
     assert torch.equal(layer.residual_keys[:, :, residual - 1], key[:, :, -1])
     torch.testing.assert_close(outputs[:, :, -1:], expected, rtol=1e-4, atol=1e-5)

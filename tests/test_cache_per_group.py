@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from pnmix_patch import PRESETS, PNMixLayer, patch_model, unpatch_model
 from pnmix_patch.reference.quantize import dequantize_keys, quantize_keys
 from pnmix_patch.reference.selection import group_channel_masks, pair_norms
@@ -27,10 +27,17 @@ def expected_groups(key, masks, config):
     groups = masks.shape[2]
     grouped = key[:, :, SINKS : SINKS + groups * G]
     parts = [
-        quantize_keys(grouped[:, :, g * G : (g + 1) * G], masks[:, :, g], int(masks[0, 0, g].sum()), G,
-                      config.key_bits_high, config.key_bits_low, config.midpoint_correction)
+        quantize_keys(
+            grouped[:, :, g * G : (g + 1) * G],
+            masks[:, :, g],
+            int(masks[0, 0, g].sum()),
+            G,
+            config.key_bits_high,
+            config.key_bits_low,
+            config.midpoint_correction,
+        )
         for g in range(groups)
-    ]  # fmt: skip
+    ]
     return dequantize_keys(*(torch.cat(tensors, 2) for tensors in zip(*parts)), masks)
 
 

@@ -18,21 +18,57 @@ from pnmix_patch.config import (
 # ---------------------------------------------------------------- presets (spec section 3)
 
 SPEC_PRESETS = {
-    "pnmix-1": dict(pair_ratio=0.5, key_group_size=128, key_bits_high=3, key_bits_low=1, value_bits=2,
-                    sink_tokens=32, residual_tokens=128, midpoint_correction=True, selection="qk_pair_norm",
-                    quantize=True),
-    "pnmix-2": dict(pair_ratio=0.4, key_group_size=64, key_bits_high=3, key_bits_low=1, value_bits=2,
-                    sink_tokens=32, residual_tokens=128, midpoint_correction=True, selection="qk_pair_norm",
-                    quantize=True),
+    "pnmix-1": dict(
+        pair_ratio=0.5,
+        key_group_size=128,
+        key_bits_high=3,
+        key_bits_low=1,
+        value_bits=2,
+        sink_tokens=32,
+        residual_tokens=128,
+        midpoint_correction=True,
+        selection="qk_pair_norm",
+        quantize=True,
+    ),
+    "pnmix-2": dict(
+        pair_ratio=0.4,
+        key_group_size=64,
+        key_bits_high=3,
+        key_bits_low=1,
+        value_bits=2,
+        sink_tokens=32,
+        residual_tokens=128,
+        midpoint_correction=True,
+        selection="qk_pair_norm",
+        quantize=True,
+    ),
     # KIVI: uniform 2-bit keys (per channel, G=128) and values, FP16 residual.
-    "kivi-2": dict(pair_ratio=1.0, key_group_size=128, key_bits_high=2, key_bits_low=2, value_bits=2,
-                   sink_tokens=32, residual_tokens=128, quantize=True),
+    "kivi-2": dict(
+        pair_ratio=1.0,
+        key_group_size=128,
+        key_bits_high=2,
+        key_bits_low=2,
+        value_bits=2,
+        sink_tokens=32,
+        residual_tokens=128,
+        quantize=True,
+    ),
     "fp16": dict(quantize=False),
     # Kitty: 2-bit keys, top 25% of channels by magnitude at 4 bits, re-chosen per 128-token group.
-    "kitty": dict(pair_ratio=0.25, key_group_size=128, key_bits_high=4, key_bits_low=2, value_bits=2,
-                  sink_tokens=32, residual_tokens=128, selection="k_magnitude", selection_unit="channel",
-                  reselection="per_group", quantize=True),
-}  # fmt: skip
+    "kitty": dict(
+        pair_ratio=0.25,
+        key_group_size=128,
+        key_bits_high=4,
+        key_bits_low=2,
+        value_bits=2,
+        sink_tokens=32,
+        residual_tokens=128,
+        selection="k_magnitude",
+        selection_unit="channel",
+        reselection="per_group",
+        quantize=True,
+    ),
+}
 
 
 @pytest.mark.parametrize("name", sorted(SPEC_PRESETS))
@@ -115,9 +151,7 @@ INVALID = [
 ]
 
 
-@pytest.mark.parametrize(
-    "field, bad, others, allowed", INVALID, ids=[f"{f}={b!r}" for f, b, _, _ in INVALID]
-)
+@pytest.mark.parametrize("field, bad, others, allowed", INVALID, ids=[f"{f}={b!r}" for f, b, _, _ in INVALID])
 def test_invalid_field_raises_with_clear_message(field, bad, others, allowed):
     with pytest.raises(ValueError) as info:
         PNMixConfig(**others, **{field: bad})

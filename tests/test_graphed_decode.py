@@ -122,8 +122,10 @@ def test_cuda_graph_replays_match_the_compiled_step(kind):
         assert torch.equal(again, greedy(compiled, model, fresh_cache(), prompts[1], 100))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
-                    reason="programmatic dependent launch needs a GPU of compute capability 9.0 or newer")  # fmt: skip
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+    reason="programmatic dependent launch needs a GPU of compute capability 9.0 or newer",
+)
 @pytest.mark.parametrize("config", [SMALL, PRESETS["pnmix-1"]], ids=["triton-split-kernel", "gluon-split-kernel"])
 def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_without(monkeypatch, config):
     """A PN-Mix model with the fused one-token products, its graph captured with the step's kernels (the
@@ -131,8 +133,16 @@ def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_wit
     300 steps (flushes included) give the same logits bit for bit. ``SMALL``'s 32-token groups take the
     Triton split kernel, ``pnmix-1``'s the Gluon one. A kernel reading before the previous one's writes are
     visible would (likely) change them."""
-    model = tiny_model("llama", vocab_size=2048, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-                       num_attention_heads=8, num_key_value_heads=2, head_dim=128).to("cuda", torch.bfloat16)  # fmt: skip
+    model = tiny_model(
+        "llama",
+        vocab_size=2048,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=128,
+    ).to("cuda", torch.bfloat16)
     patch_gemv(patch_model(model, config))
     prompt = torch.randint(0, 2048, (1, 200), generator=torch.Generator().manual_seed(0)).to("cuda")
     has_pdl, pdl_launches = common.has_pdl, []

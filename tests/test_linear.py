@@ -1,6 +1,5 @@
 """``patch_gemv``: one-token products through ``pnmix::gemv`` (q/k/v stacked, gate/up fused), alone and with PN-Mix, eager and compiled."""
 
-
 import pytest
 import torch
 from conftest import CACHE_KWARG, output_cache, saved_and_loaded, tiny_model

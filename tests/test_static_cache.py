@@ -183,9 +183,14 @@ def test_generate_static_cache_compiles_once_and_matches_eager():
     counters.clear()
     for _ in range(2):
         output = model.generate(
-            prompt, attention_mask=mask, max_new_tokens=150, do_sample=False,
-            cache_implementation="static", compile_config=compile_config, return_dict_in_generate=True,
-        )  # fmt: skip
+            prompt,
+            attention_mask=mask,
+            max_new_tokens=150,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=compile_config,
+            return_dict_in_generate=True,
+        )
         assert torch.equal(output.sequences, expected)
     cache = output.cache if hasattr(output, "cache") else output.past_key_values
     assert isinstance(cache, PNMixStaticCache)

@@ -48,9 +48,9 @@ from pathlib import Path
 import torch
 
 from ..api import new_cache, patch_model, unpatch_model
-from ..reference.attention import chunk_attention
 from ..cache import PNMixCache, PNMixLayer, summarize_memory
 from ..config import PRESETS, SELECTION_CRITERIA, PNMixConfig
+from ..reference.attention import chunk_attention
 from .fidelity import progress_bar, reference_logits, teacher_force
 
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -320,7 +320,10 @@ def attention_kl(captured: dict, pnmix_config: PNMixConfig, context: int, progre
     scaling, per_layer, parts = captured["scaling"], [], None
     for query, key, value in progress_bar(
         list(zip(captured["query"], captured["key"], captured["value"])),
-        desc=f"attention KL {pnmix_config.name}", unit="layer", progress=progress, leave=False,
+        desc=f"attention KL {pnmix_config.name}",
+        unit="layer",
+        progress=progress,
+        leave=False,
     ):
         layer = PNMixLayer(pnmix_config, captured["pairing"])
         layer.attend(query[:, :, :context], key[:, :, :context], value[:, :, :context], None, scaling)
@@ -371,9 +374,13 @@ def generate_reference(model, tokenizer, prompts: dict[str, str], tokens: int, p
     for name, prompt in progress_bar(prompts.items(), desc="full-precision generation", unit="prompt", progress=progress):
         ids = chat_prompt_ids(tokenizer, prompt)
         output = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
-        )  # fmt: skip
+        )
         references[name] = {
             "ids": output[0].tolist(),
             "prompt_length": ids.shape[1],
@@ -389,9 +396,7 @@ def distinct_ngram_fraction(ids: list[int], n: int) -> float:
     return len(set(grams)) / len(grams) if grams else 1.0
 
 
-def long_output_fidelity(
-    model, references: dict, pnmix_config: PNMixConfig, progress: bool = True, done: dict | None = None
-) -> dict:
+def long_output_fidelity(model, references: dict, pnmix_config: PNMixConfig, progress: bool = True, done: dict | None = None) -> dict:
     """Teacher-force every reference continuation through ``pnmix_config``'s cache (prompt prefilled).
 
     Returns ``mean_kl`` and ``top1_agreement`` over all scored steps of all prompts (each step
@@ -585,8 +590,7 @@ def passkey_retrieval(
         batch = [t for t in pending if len(t["ids"]) == len(pending[0]["ids"])][:batch_size]
         pending = [t for t in pending if t not in batch]
         captures = [
-            capture_prefill(model, torch.tensor([t["ids"]]), _slice_states(filler, t["needle_position"]), chunk_size)
-            for t in batch
+            capture_prefill(model, torch.tensor([t["ids"]]), _slice_states(filler, t["needle_position"]), chunk_size) for t in batch
         ]
         captured = {name: [torch.cat(parts, dim=0) for parts in zip(*(c[name] for c in captures))] for name in ("query", "key", "value")}
         first = torch.cat([c["logits"] for c in captures]).argmax(-1)
@@ -679,17 +683,28 @@ def gsm8k_accuracy(
         lm = wrap_model(model, tokenizer, preset=pnmix_config, batch_size=batch_size)
         try:
             output = lm_eval.simple_evaluate(
-                model=lm, tasks=[task], limit=limit, gen_kwargs={"max_gen_toks": max_gen_toks}, log_samples=True,
-                bootstrap_iters=0, task_manager=TaskManager(include_path=folder),
-            )  # fmt: skip
+                model=lm,
+                tasks=[task],
+                limit=limit,
+                gen_kwargs={"max_gen_toks": max_gen_toks},
+                log_samples=True,
+                bootstrap_iters=0,
+                task_manager=TaskManager(include_path=folder),
+            )
         finally:
             unpatch_model(model)
     problems = {}
     for sample in output["samples"][task]:
-        problem = problems.setdefault(sample["doc_id"], {
-            "doc_id": sample["doc_id"], "target": sample["target"], "response": sample["resps"][0][0],
-            "extracted": {}, "exact_match": {},
-        })  # fmt: skip
+        problem = problems.setdefault(
+            sample["doc_id"],
+            {
+                "doc_id": sample["doc_id"],
+                "target": sample["target"],
+                "response": sample["resps"][0][0],
+                "extracted": {},
+                "exact_match": {},
+            },
+        )
         problem["extracted"][sample["filter"]] = sample["filtered_resps"][0]
         problem["exact_match"][sample["filter"]] = bool(sample["exact_match"])
     problems = [problems[doc] for doc in sorted(problems)]
@@ -703,10 +718,17 @@ def gsm8k_accuracy(
 
 # ----------------------------------------------------------------------------- running and plots
 QUICK = {
-    "context": 288, "queries": 4, "long_tokens": 40, "prompts": 1, "methods": ["fp16", "kivi-2", "pnmix-1", "kitty"],
-    "passkey_lengths": [400], "passkey_trials": 2,
-    "gsm8k_task": "gsm8k_local_tiny", "gsm8k_limit": 2, "gsm8k_max_tokens": 16,
-}  # fmt: skip
+    "context": 288,
+    "queries": 4,
+    "long_tokens": 40,
+    "prompts": 1,
+    "methods": ["fp16", "kivi-2", "pnmix-1", "kitty"],
+    "passkey_lengths": [400],
+    "passkey_trials": 2,
+    "gsm8k_task": "gsm8k_local_tiny",
+    "gsm8k_limit": 2,
+    "gsm8k_max_tokens": 16,
+}
 """``--quick``: small sizes that still flush quantized groups (CI); GSM8K runs the 5-problem
 ``gsm8k_local_tiny`` task (1-shot, data in ``pnmix_patch/eval/tasks``)."""
 
@@ -838,16 +860,26 @@ def run_evaluation(
                 for name, records in answers.items():
                     bits = next((r["key_bits"] for r in records if not math.isnan(r["key_bits"])), math.nan)
                     methods_entry[name] = accuracy_record([r["correct"] for r in records]) | {
-                        "key_bits": bits, "answers": records, "config": METHODS[name].__dict__,
-                    }  # fmt: skip
+                        "key_bits": bits,
+                        "answers": records,
+                        "config": METHODS[name].__dict__,
+                    }
                 results["passkey"]["lengths"][_length]["seconds"] = round(time.perf_counter() - _started, 1)
                 save()
 
             configs = {name: METHODS[name] for name in methods}
             answers = passkey_retrieval(
-                model, tokenizer, configs, length, passkey_trials, done, passkey_seed, batch_size=passkey_batch,
-                on_batch=store, progress=progress,
-            )  # fmt: skip
+                model,
+                tokenizer,
+                configs,
+                length,
+                passkey_trials,
+                done,
+                passkey_seed,
+                batch_size=passkey_batch,
+                on_batch=store,
+                progress=progress,
+            )
             store(answers)
     pending = [m for m in methods if m not in results.get("gsm8k", {}).get("methods", {})]
     if "gsm8k" in metrics and pending:
@@ -857,8 +889,15 @@ def run_evaluation(
         for name in progress_bar(pending, desc="GSM8K", unit="method", progress=progress):
             started = time.perf_counter()
             record = gsm8k_accuracy(
-                model, tokenizer, METHODS[name], gsm8k_limit, data_file, gsm8k_task, gsm8k_max_tokens, gsm8k_batch,
-            ) | _method_record(name, started)  # fmt: skip
+                model,
+                tokenizer,
+                METHODS[name],
+                gsm8k_limit,
+                data_file,
+                gsm8k_task,
+                gsm8k_max_tokens,
+                gsm8k_batch,
+            ) | _method_record(name, started)
             results["gsm8k"].setdefault("methods", {})[name] = record
             owned.add(("gsm8k", "methods", name))
             save()
@@ -1030,7 +1069,11 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
         names = list(dict.fromkeys(name for entry in lengths.values() for name in entry.get("methods", {})))
         order = sorted(lengths, key=int)
         for offset, name in enumerate(names):
-            points = [(position, lengths[length]["methods"][name]) for position, length in enumerate(order) if name in lengths[length].get("methods", {})]
+            points = [
+                (position, lengths[length]["methods"][name])
+                for position, length in enumerate(order)
+                if name in lengths[length].get("methods", {})
+            ]
             shift = 0.5 * (offset - (len(names) - 1) / 2) / max(len(names), 1)  # side by side within a length
             ys = [record["accuracy"] for _, record in points]
             errors = [  # (clamped: an interval end equal to the accuracy can differ from it by rounding)
@@ -1038,8 +1081,15 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
                 [max(0.0, r["wilson_95"][1] - y) for y, (_, r) in zip(ys, points)],
             ]
             bits = max((r["key_bits"] for _, r in points if not math.isnan(r["key_bits"])), default=math.nan)
-            axis.errorbar([position + shift for position, _ in points], ys, yerr=errors, marker="o", capsize=3,
-                          linestyle="-" if len(points) > 1 else "none", label=f"{name} ({_bits_text(bits)} key bits)")
+            axis.errorbar(
+                [position + shift for position, _ in points],
+                ys,
+                yerr=errors,
+                marker="o",
+                capsize=3,
+                linestyle="-" if len(points) > 1 else "none",
+                label=f"{name} ({_bits_text(bits)} key bits)",
+            )
         trials = max(record["trials"] for entry in lengths.values() for record in entry.get("methods", {}).values())
         axis.set_xticks(range(len(order)), order)
         axis.set_xlim(-0.5, len(order) - 0.5)
@@ -1156,8 +1206,11 @@ def passkey_table(results: dict) -> str:
     order = sorted(lengths, key=int)
     names = list(dict.fromkeys(name for length in order for name in lengths[length].get("methods", {})))
     lines = [
-        "| method | key bits (measured) | " + " | ".join(f"{length} tokens: accuracy [95% CI]" for length in order)
-        + " | " + " | ".join(f"{length}: lost / gained vs fp16" for length in order) + " |",
+        "| method | key bits (measured) | "
+        + " | ".join(f"{length} tokens: accuracy [95% CI]" for length in order)
+        + " | "
+        + " | ".join(f"{length}: lost / gained vs fp16" for length in order)
+        + " |",
         "|---|---|" + "---|" * (2 * len(order)),
     ]
     for name in names:
@@ -1175,8 +1228,11 @@ def gsm8k_table(results: dict) -> str:
         return ""
     filters = list(dict.fromkeys(f for record in measured.values() for f in record["filters"]))
     lines = [
-        "| method | " + " | ".join(f"{f}: exact match [95% CI]" for f in filters) + " | "
-        + " | ".join(f"{f}: lost / gained vs fp16" for f in filters) + " | seconds |",
+        "| method | "
+        + " | ".join(f"{f}: exact match [95% CI]" for f in filters)
+        + " | "
+        + " | ".join(f"{f}: lost / gained vs fp16" for f in filters)
+        + " | seconds |",
         "|---|" + "---|" * (2 * len(filters) + 1),
     ]
     for name, record in measured.items():

@@ -63,7 +63,9 @@ def teacher_force(
         cache = new_cache(model)
         model(input_ids[:, :prefill], cache=cache, use_cache=True)
         logits = []
-        for position in progress_bar(range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(pnmix_config, "name", pnmix_config)), leave=False):
+        for position in progress_bar(
+            range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(pnmix_config, "name", pnmix_config)), leave=False
+        ):
             step = model(input_ids[:, position : position + 1], cache=cache, use_cache=True)
             logits.append(step.logits[:, -1].float())
         memory = cache.memory_report()

@@ -195,8 +195,7 @@ class PNMixLM(HFLM):
         folder.mkdir(parents=True, exist_ok=True)
         with open(folder / f"rank{self.rank}.jsonl", "a", encoding="utf-8") as file:
             for request in requests:
-                entry = {"task": request.task_name, "doc_id": request.doc_id, "idx": request.idx,
-                         "world_size": self.world_size}
+                entry = {"task": request.task_name, "doc_id": request.doc_id, "idx": request.idx, "world_size": self.world_size}
                 file.write(json.dumps(entry) + "\n")
 
 

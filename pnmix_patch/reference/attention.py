@@ -40,7 +40,9 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return output.reshape(batch, query_heads, chunk, head_dim)
 
 
-def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def chunk_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None, scaling: float
+) -> torch.Tensor:
     """Exact causal attention of a chunk over itself (no cache, or a cache holding nothing yet).
 
     ``query [B, Hq, T, D]``, ``key/value [B, H, T, D]``, ``valid`` bool ``[B, T]`` or None.

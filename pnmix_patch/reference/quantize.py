@@ -1,6 +1,7 @@
 """Reference quantizers and bit packing: the packed layout every kernel reads.
 
-Everything here is plain PyTorch and reads like ``shared/PNMIX_SPEC.md`` section 3.
+Everything here is plain PyTorch and reads like the sections on online quantization and packed
+storage of ``docs/method.md``.
 The Triton kernels in ``pnmix_patch.kernels`` produce and consume exactly these
 tensors and are tested against these functions.
 
@@ -53,8 +54,7 @@ Keys are packed along tokens (quantized per channel), values along channels
 Operand order: the words are then rearranged, without changing what they hold, into
 the order the CUDA decode kernel (``kernels/decode_attention_mma.py``) makes its 8-bit
 tensor-core operands from, so that it copies them and reads them as they are instead
-of byte-transposing every group in shared memory (1.19-1.21x faster at batch 32 on an
-H200, ``benchmarks/results/pretransposed_codes.json``). A permutation of the bits of each
+of byte-transposing every group in shared memory. A permutation of the bits of each
 plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_order`):
 
 - keys, thread-owned words, in a codes tensor of a multiple of 32 channels with ``G`` a
@@ -69,16 +69,14 @@ plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_ord
   ``t % S // 16``, row half ``t // 8 % 2``, lane row ``g = t % 8``); channel ``c`` of the
   tensor is (chunk ``c // 32``, half ``c // 16 % 2``, lane column ``l = c // 4 % 4``, byte
   ``i = c % 4``). Its code bit is bit ``8i + 4 tile + 2 half + row half`` of word row
-  ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``. Before the twenty-ninth session
-  every key tensor was stored as below, where a word serves eight threads, so eight of them
-  read it: the thread-owned words cut the kernel's time at batch 32 by 7-10%
-  (``benchmarks/results/kernel_ab_thread_owned_keys.json``). Then each pair of planes
+  ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``. (In the byte-quad order below a
+  word serves eight threads, so eight of them read it; here each thread reads only its own.)
+  Then each pair of planes
   ``(2m, 2m + 1)`` is stored as two words of 2-bit fields (:func:`key_planes_to_fields`), so
   that one 8-bit operand carries two planes: the pair's slot ``2m + h`` (``h``, the chunk's half)
   holds, at bits ``8i + 4 tile + 2 row half + j``, bit ``j`` of the 2-bit code ``(code >> 2m) &
   3`` of the channel of half ``h`` (the plane word's bit ``8i + 4 tile + 2h + row half`` of plane
-  ``2m + j``); an odd last plane stays a plane word. Since the thirty-first session: pnmix-1's
-  kernel time at batch 32 0.96-0.97x (``benchmarks/results/kernel_ab_key_fields.log``);
+  ``2m + j``); an odd last plane stays a plane word;
 - keys of other tensors: the words of four consecutive stored channels ``4q .. 4q + 3``
   (same plane and word row) are byte-transposed (:func:`transpose_byte_quads`: in a run of
   four words, word ``b``'s byte ``i`` is byte ``b`` of word ``i``): bit ``8i + j`` of word
@@ -165,11 +163,10 @@ def _to_int32(packed: torch.Tensor) -> torch.Tensor:
 def _bits_of_words(words: torch.Tensor) -> torch.Tensor:
     """Bits ``uint8[..., n, 32]`` of int32 words ``[..., n]``: bit ``b`` of word ``w`` at ``[w, b]``."""
     if sys.byteorder == "little":
-        # Bytes throughout (a quarter of int32's memory traffic; dequantize_keys 1.6-2.1x faster at 16K
-        # tokens on a 2-core CPU, benchmarks/RESULTS.md): bit b of a word is bit b % 8 of its byte b // 8.
+        # Bytes throughout (a quarter of int32's memory traffic): bit b of a word is bit b % 8 of its byte b // 8.
         word_bytes = words.to(torch.int32).flatten().view(torch.uint8).reshape(*words.shape, 4, 1)
         return ((word_bytes >> torch.arange(8, dtype=torch.uint8, device=words.device)) & 1).reshape(*words.shape, 32)
-    # int32 (2-5x faster on CPU than int64): the arithmetic shift of a negative word still leaves bit 31 in bit 0.
+    # int32 (faster on CPU than int64): the arithmetic shift of a negative word still leaves bit 31 in bit 0.
     return ((words.to(torch.int32).unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int32, device=words.device)) & 1).to(torch.uint8)
 
 
@@ -275,8 +272,9 @@ word row ``[block, tile pair]``, word ``[chunk, lane row, lane column]``, byte, 
 half]``."""
 
 
-def _in_token_order(values: torch.Tensor, lead: list[int], rows: int, channels: int,
-                    word_dims: tuple[int, ...] = _WORD_FROM_TOKEN_DIMS) -> torch.Tensor:
+def _in_token_order(
+    values: torch.Tensor, lead: list[int], rows: int, channels: int, word_dims: tuple[int, ...] = _WORD_FROM_TOKEN_DIMS
+) -> torch.Tensor:
     """Values at the bits of thread-owned key words (a bit, or a code made of the planes' bits),
     ``[*lead, G/32, C, 32]``, or, with ``word_dims`` :data:`_FIELD_FROM_TOKEN_DIMS`, at the fields of
     a pair's two slots, ``[*lead, 2, G/32, C, 16]`` -> ``[*lead, G, C]`` by token and channel."""
@@ -415,8 +413,7 @@ def values_from_operand_order(codes: torch.Tensor, token_block: int) -> torch.Te
 def unpack_values(codes: torch.Tensor, token_block: int) -> torch.Tensor:
     """Value codes ``int32[..., T, D]`` of :func:`values_to_operand_order` output:
     ``unpack_bits(values_from_operand_order(codes, token_block))``, reading the field words
-    directly (:func:`unpack_fields`): 2.4-13x faster on a 2-core CPU than rebuilding the planes
-    (``benchmarks/bench_cpu_reference.py``, ``benchmarks/RESULTS.md``)."""
+    directly (:func:`unpack_fields`), which is faster on CPU than rebuilding the planes."""
     fields, full = _value_fields(codes, token_block)
     return torch.cat([unpack_fields(fields), unpack_bits(codes[..., full:, :, :])], -2)
 

@@ -1,4 +1,4 @@
-"""Pair selection at prefill (``shared/PNMIX_SPEC.md`` section 2).
+"""Pair selection at prefill (``docs/method.md``, "Pair selection: once, at prefill").
 
 For each sequence ``b``, KV head ``h`` and RoPE pair ``i``::
 
@@ -72,9 +72,7 @@ def _token_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     return torch.where(mask, x, 0.0).sum(2) / count
 
 
-def pair_scores(
-    query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, criterion: str, pairing: str
-) -> torch.Tensor:
+def pair_scores(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | None, criterion: str, pairing: str) -> torch.Tensor:
     """Sensitivity score of every pair, float32 ``[B, H, D/2]``.
 
     Args:

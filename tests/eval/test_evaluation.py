@@ -6,11 +6,11 @@ import types
 
 import pytest
 import torch
-
 from conftest import tiny_model
+
 from pnmix_patch import PRESETS, is_patched, new_cache, patch_model, unpatch_model
-from pnmix_patch.cli import main
 from pnmix_patch.cache import _STATE, PNMixLayer
+from pnmix_patch.cli import main
 from pnmix_patch.eval.evaluation import (
     METHOD_SETS,
     METHODS,
@@ -23,10 +23,10 @@ from pnmix_patch.eval.evaluation import (
     capture_prefill,
     distinct_ngram_fraction,
     long_output_fidelity,
+    make_passkey_trials,
     paired_flips,
     passkey_correct,
     passkey_retrieval,
-    make_passkey_trials,
     plot_results,
     prefill_layer_from_states,
     resolve_methods,
@@ -122,7 +122,9 @@ def test_run_evaluation_adds_prompts_without_measuring_the_old_ones_again(tmp_pa
     first_two = list(evaluation.PROMPTS)[:2]
     run_evaluation(model, None, "tiny", ["long_output"], ["kivi-2"], output, long_tokens=160, prompts=1, progress=False)
     assert generated == first_two[:1] and len(forced) == 1
-    results = run_evaluation(model, None, "tiny", ["long_output"], ["kivi-2", "pnmix-1"], output, long_tokens=160, prompts=2, progress=False)
+    results = run_evaluation(
+        model, None, "tiny", ["long_output"], ["kivi-2", "pnmix-1"], output, long_tokens=160, prompts=2, progress=False
+    )
     assert generated == first_two and len(forced) == 1 + 1 + 2  # kivi-2: the new prompt only; pnmix-1: both
     assert results["settings"]["prompts"] == 2 and list(results["long_output_references"]) == first_two
     for name in ("kivi-2", "pnmix-1"):
@@ -210,11 +212,23 @@ def test_long_output_points_average_the_prompts_every_point_has():
 
     first, second = list(PROMPTS)[:2]
     prompt = {"steps": 100, "key_bits": 2.25}
-    results = {"long_output": {
-        "kivi-2": {"key_bits": 2.25, "mean_kl": 9.0, "per_prompt": {first: prompt | {"mean_kl": 0.2, "top1_agreement": 0.9},
-                                                                    second: prompt | {"mean_kl": 0.4, "top1_agreement": 0.7}}},
-        "sweep-kivi-2.0": {"key_bits": 2.0, "mean_kl": 0.5, "per_prompt": {first: prompt | {"mean_kl": 0.5, "top1_agreement": 0.8, "key_bits": 2.0}}},
-    }}  # fmt: skip
+    results = {
+        "long_output": {
+            "kivi-2": {
+                "key_bits": 2.25,
+                "mean_kl": 9.0,
+                "per_prompt": {
+                    first: prompt | {"mean_kl": 0.2, "top1_agreement": 0.9},
+                    second: prompt | {"mean_kl": 0.4, "top1_agreement": 0.7},
+                },
+            },
+            "sweep-kivi-2.0": {
+                "key_bits": 2.0,
+                "mean_kl": 0.5,
+                "per_prompt": {first: prompt | {"mean_kl": 0.5, "top1_agreement": 0.8, "key_bits": 2.0}},
+            },
+        }
+    }
     assert common_prompts(results) == [first]
     assert _sweep_points(results, "long_output", "mean_kl") == {"kivi": [(2.0, 0.5), (2.25, 0.2)]}
 
@@ -252,9 +266,14 @@ def test_save_writes_only_owned_entries_and_keeps_what_another_process_wrote(tmp
     output.write_text(json.dumps({"settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 10}}}}))
     ours = {"settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 5}, "1024": {"n": 3}}}, "attention_kl": {"x": 1}}
     merged = _save_owned(output, ours, {("settings",), ("passkey", "lengths", "1024"), ("long_output", "y")})
-    assert merged == json.loads(output.read_text()) == {
-        "settings": {"a": 1}, "passkey": {"lengths": {"4096": {"n": 10}, "1024": {"n": 3}}},
-    }  # fmt: skip
+    assert (
+        merged
+        == json.loads(output.read_text())
+        == {
+            "settings": {"a": 1},
+            "passkey": {"lengths": {"4096": {"n": 10}, "1024": {"n": 3}}},
+        }
+    )
 
 
 # ----------------------------------------------------------------------------- passkey
@@ -333,9 +352,11 @@ def test_cache_from_states_equals_a_prefill_through_the_cache(name):
             model(ids, cache=real, use_cache=True)
             token = torch.tensor([[5], [7]])
             torch.testing.assert_close(
-                model(token, cache=filled, use_cache=True).logits, model(token, cache=real, use_cache=True).logits,
-                atol=1e-4, rtol=1e-4,
-            )  # fmt: skip
+                model(token, cache=filled, use_cache=True).logits,
+                model(token, cache=real, use_cache=True).logits,
+                atol=1e-4,
+                rtol=1e-4,
+            )
         layer = PNMixLayer(config)
         prefill_layer_from_states(layer, captured["query"][0], captured["key"][0], captured["value"][0])
         with pytest.raises(ValueError, match="already holds 300 tokens"):
@@ -369,9 +390,16 @@ def test_run_evaluation_passkey_writes_accuracy_intervals_and_paired_flips(tmp_p
     settings = {"model": "tiny", "context": 2048, "queries": 64, "long_tokens": 1024, "prompts": 2}
     output.write_text(json.dumps({"settings": settings, "attention_kl": {"kivi-2": {"key_bits": 2.25, "mean_kl": 0.3}}}))
     results = run_evaluation(
-        model, tokenizer, "tiny", ["passkey"], ["fp16", "pnmix-1"], output, passkey_lengths=(300, 400), passkey_trials=2,
+        model,
+        tokenizer,
+        "tiny",
+        ["passkey"],
+        ["fp16", "pnmix-1"],
+        output,
+        passkey_lengths=(300, 400),
+        passkey_trials=2,
         progress=False,
-    )  # fmt: skip
+    )
     assert json.loads(output.read_text()) == json.loads(json.dumps(results, default=str))
     assert results["attention_kl"]["kivi-2"]["mean_kl"] == 0.3  # other metrics are kept
     entry = results["passkey"]["lengths"]["400"]
@@ -392,10 +420,18 @@ def test_run_evaluation_keeps_the_sections_of_metrics_it_does_not_run(tmp_path):
     settings = {"model": "tiny", "context": 2048, "queries": 64, "long_tokens": 1024, "prompts": 2}
     gsm8k = {"settings": {"task": "gsm8k_local_8shot", "limit": 30, "max_gen_toks": 256, "batch_size": 8}, "methods": {"fp16": {}}}
     passkey = {"settings": {"seed": 1}, "lengths": {"400": {}}}
-    output.write_text(json.dumps({
-        "settings": settings, "gsm8k": gsm8k, "passkey": passkey, "long_output": {"kivi-2": {"mean_kl": 0.1}},
-        "long_output_references": {"a": {"ids": [1, 2, 3, 4, 5], "prompt_length": 1}}, "attention_kl": {"kivi-2": {"mean_kl": 0.3}},
-    }))  # fmt: skip
+    output.write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "gsm8k": gsm8k,
+                "passkey": passkey,
+                "long_output": {"kivi-2": {"mean_kl": 0.1}},
+                "long_output_references": {"a": {"ids": [1, 2, 3, 4, 5], "prompt_length": 1}},
+                "attention_kl": {"kivi-2": {"mean_kl": 0.3}},
+            }
+        )
+    )
     # default GSM8K limit (50), passkey seed (0), other long-output and attention sizes: none of those metrics runs
     results = run_evaluation(None, None, "tiny", ["attention_kl"], [], output, context=300, long_tokens=64, progress=False)
     on_disk = json.loads(output.read_text())

@@ -48,8 +48,13 @@ json.dump({"results": out["results"], "samples": samples}, open(sys.argv[3], "w"
 
 def _env(tmp_path):
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"), TOKENIZERS_PARALLELISM="false")
+    env.update(
+        OMP_NUM_THREADS="1",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "datasets_cache"),
+        TOKENIZERS_PARALLELISM="false",
+    )
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
@@ -81,11 +86,35 @@ def test_two_processes_match_one_process(tmp_path):
     one = json.loads(one_out.read_text())
 
     two_log, two_out = tmp_path / "log2", tmp_path / "out2"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-          "-m", "pnmix_patch.eval.lm_eval_model", "--model", "pnmix",
-          "--model_args", f"pretrained=smollm2,preset=pnmix-1,request_log_dir={two_log}",
-          "--device", "cpu", "--batch_size", "1", "--include_path", str(TASKS_DIR), "--tasks", TASK,
-          "--output_path", str(two_out), "--log_samples"], tmp_path)
+    _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(_free_port()),
+            "-m",
+            "pnmix_patch.eval.lm_eval_model",
+            "--model",
+            "pnmix",
+            "--model_args",
+            f"pretrained=smollm2,preset=pnmix-1,request_log_dir={two_log}",
+            "--device",
+            "cpu",
+            "--batch_size",
+            "1",
+            "--include_path",
+            str(TASKS_DIR),
+            "--tasks",
+            TASK,
+            "--output_path",
+            str(two_out),
+            "--log_samples",
+        ],
+        tmp_path,
+    )
     [results_file] = glob.glob(str(two_out / "**" / "results_*.json"), recursive=True)
     [samples_file] = glob.glob(str(two_out / "**" / f"samples_{TASK}_*.jsonl"), recursive=True)
     two = json.loads(Path(results_file).read_text())

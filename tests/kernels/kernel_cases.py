@@ -98,8 +98,16 @@ def decode_inputs(
 
     query = randn(batch, heads * ratio, head_dim).to(dtype)
     return (
-        query, order, dense(sink_cap, sink_len), dense(sink_cap, sink_len), lengths[0],
-        *packed_keys, *packed_values, lengths[1],
-        dense(residual_cap, residual_len), dense(residual_cap, residual_len), lengths[2],
+        query,
+        order,
+        dense(sink_cap, sink_len),
+        dense(sink_cap, sink_len),
+        lengths[0],
+        *packed_keys,
+        *packed_values,
+        lengths[1],
+        dense(residual_cap, residual_len),
+        dense(residual_cap, residual_len),
+        lengths[2],
         head_dim**-0.5,
-    )  # fmt: skip
+    )

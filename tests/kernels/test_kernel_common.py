@@ -68,34 +68,79 @@ def test_the_pdl_block_overrides_the_default_per_thread_and_is_undone_on_exit(mo
 
 
 I32, I64, F32 = "*i32", "*i64", "*fp32"
-APPEND_POINTERS = {"order_ptr": I64, "sink_len_ptr": I32, "res_len_ptr": I32, "high_ptr": I32, "low_ptr": I32, "vc_ptr": I32,
-                   "num_groups_ptr": I32, "overflow_ptr": "*i1", "arrivals_ptr": I32}
+APPEND_POINTERS = {
+    "order_ptr": I64,
+    "sink_len_ptr": I32,
+    "res_len_ptr": I32,
+    "high_ptr": I32,
+    "low_ptr": I32,
+    "vc_ptr": I32,
+    "num_groups_ptr": I32,
+    "overflow_ptr": "*i1",
+    "arrivals_ptr": I32,
+}
 KERNELS = {
     "gemv": ("pnmix_patch.kernels.gemv", "_gemv_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=1024, EVEN_K=True)"),
     "gemv_swiglu": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=True, BLOCK_K=512, EVEN_K=True)"),
     "gemv-masked": ("pnmix_patch.kernels.gemv", "_gemv_kernel", {}, "dict(HAS_BIAS=False, BLOCK_K=1024, EVEN_K=False)"),
     "gemv_swiglu-masked": ("pnmix_patch.kernels.gemv_swiglu", "_gemv_swiglu_kernel", {}, "dict(HAS_BIAS=False, BLOCK_K=512, EVEN_K=False)"),
-    "combine": ("pnmix_patch.kernels.common", "merge_splits_kernel",
-                {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "overflow_ptr": "*i1"},
-                "dict(D=128, BLOCK_D=128, BLOCK_S=64, HAS_OVERFLOW=True)"),
-    "append": ("pnmix_patch.kernels.decode_append", "_append_token_kernel", APPEND_POINTERS,
-               "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
-               "ROTATE=False, NORM=False, RATIO=1, BLOCK_R=1, "
-               "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))"),
-    "append-rotate": ("pnmix_patch.kernels.decode_append", "_append_token_kernel", APPEND_POINTERS,
-                      "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
-                      "ROTATE=True, NORM=True, RATIO=4, BLOCK_R=4, "
-                      "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))"),
-    "split-triton": ("pnmix_patch.kernels.decode_attention", "_decode_split_kernel",
-                     {"order_ptr": I64, "kc_high_ptr": I32, "kc_low_ptr": I32, "vc_ptr": I32, "sink_len_ptr": I32,
-                      "num_groups_ptr": I32, "res_len_ptr": I32, "m_out_ptr": F32, "l_out_ptr": F32, "acc_out_ptr": F32},
-                     "dict(RATIO=4, BLOCK_Q=16, D=128, BLOCK_D=128, G=128, C_HIGH=64, BITS_HIGH=3, BITS_LOW=1, BITS_V=2, "
-                     "GV=128, HIGH_DISTANCE=64, LOW_DISTANCE=64, BLOCK_N_DENSE=64, DOT_PRECISION='tf32')"),
-    "split-gluon": ("pnmix_patch.kernels.decode_attention_mma", "_decode_split_kernel_mma",
-                    {"order_ptr": I64, "kc_high_ptr": I32, "kc_low_ptr": I32, "vc_ptr": I32, "sink_len_ptr": I32,
-                     "num_groups_ptr": I32, "res_len_ptr": I32, "m_out_ptr": F32, "l_out_ptr": F32, "acc_out_ptr": F32},
-                    "__import__('pnmix_patch.kernels.decode_attention_mma', fromlist=['kernel_constants'])"
-                    ".kernel_constants(128, 4, 128, 64, 3, 1, 2)"),
+    "combine": (
+        "pnmix_patch.kernels.common",
+        "merge_splits_kernel",
+        {"m_ptr": F32, "l_ptr": F32, "acc_ptr": F32, "overflow_ptr": "*i1"},
+        "dict(D=128, BLOCK_D=128, BLOCK_S=64, HAS_OVERFLOW=True)",
+    ),
+    "append": (
+        "pnmix_patch.kernels.decode_append",
+        "_append_token_kernel",
+        APPEND_POINTERS,
+        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
+        "ROTATE=False, NORM=False, RATIO=1, BLOCK_R=1, "
+        "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))",
+    ),
+    "append-rotate": (
+        "pnmix_patch.kernels.decode_append",
+        "_append_token_kernel",
+        APPEND_POINTERS,
+        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
+        "ROTATE=True, NORM=True, RATIO=4, BLOCK_R=4, "
+        "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))",
+    ),
+    "split-triton": (
+        "pnmix_patch.kernels.decode_attention",
+        "_decode_split_kernel",
+        {
+            "order_ptr": I64,
+            "kc_high_ptr": I32,
+            "kc_low_ptr": I32,
+            "vc_ptr": I32,
+            "sink_len_ptr": I32,
+            "num_groups_ptr": I32,
+            "res_len_ptr": I32,
+            "m_out_ptr": F32,
+            "l_out_ptr": F32,
+            "acc_out_ptr": F32,
+        },
+        "dict(RATIO=4, BLOCK_Q=16, D=128, BLOCK_D=128, G=128, C_HIGH=64, BITS_HIGH=3, BITS_LOW=1, BITS_V=2, "
+        "GV=128, HIGH_DISTANCE=64, LOW_DISTANCE=64, BLOCK_N_DENSE=64, DOT_PRECISION='tf32')",
+    ),
+    "split-gluon": (
+        "pnmix_patch.kernels.decode_attention_mma",
+        "_decode_split_kernel_mma",
+        {
+            "order_ptr": I64,
+            "kc_high_ptr": I32,
+            "kc_low_ptr": I32,
+            "vc_ptr": I32,
+            "sink_len_ptr": I32,
+            "num_groups_ptr": I32,
+            "res_len_ptr": I32,
+            "m_out_ptr": F32,
+            "l_out_ptr": F32,
+            "acc_out_ptr": F32,
+        },
+        "__import__('pnmix_patch.kernels.decode_attention_mma', fromlist=['kernel_constants']).kernel_constants(128, 4, 128, 64, 3, 1, 2)",
+    ),
 }
 # The first instruction of the PTX that reads or writes global memory (or shared memory from it).
 MEMORY = ("ld.global", "st.global", "atom.global", "red.global", "cp.async")

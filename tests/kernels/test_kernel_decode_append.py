@@ -32,23 +32,27 @@ def static_state(generator, layout, head_dim, dtype, sink_len, residual_len, num
         return torch.randint(-(2**31), 2**31 - 1, shape, generator=generator, dtype=torch.int32)
 
     return [
-        randn(batch, HEADS, head_dim), randn(batch, HEADS, head_dim),  # the new token's key and value
+        randn(batch, HEADS, head_dim),
+        randn(batch, HEADS, head_dim),  # the new token's key and value
         random_order(batch, HEADS, head_dim, high, generator),
-        randn(batch, HEADS, sink_cap, head_dim), randn(batch, HEADS, sink_cap, head_dim),
+        randn(batch, HEADS, sink_cap, head_dim),
+        randn(batch, HEADS, sink_cap, head_dim),
         torch.tensor(sink_len, dtype=torch.int32),
         randn(batch, HEADS, residual_cap, head_dim) * (1 + 3 * torch.rand(head_dim, generator=generator)).to(dtype),
         randn(batch, HEADS, residual_cap, head_dim),
         torch.tensor(residual_len, dtype=torch.int32),
         codes(batch, HEADS, group_cap, bits_high, words, high),
         codes(batch, HEADS, group_cap, bits_low, words, head_dim - high),
-        randn(batch, HEADS, group_cap, head_dim, dtype=scale_dtype), randn(batch, HEADS, group_cap, head_dim, dtype=scale_dtype),
+        randn(batch, HEADS, group_cap, head_dim, dtype=scale_dtype),
+        randn(batch, HEADS, group_cap, head_dim, dtype=scale_dtype),
         codes(batch, HEADS, group_cap * group, 2, head_dim // 32),
-        randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype), randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype),
+        randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype),
+        randn(batch, HEADS, group_cap * group, 1, dtype=scale_dtype),
         torch.tensor(num_groups, dtype=torch.int32),
         torch.tensor([False, True] + [False] * (batch - 2)),  # overflowed: a set flag stays set
         torch.zeros(batch, dtype=torch.int32),  # arrivals: zero before and after a step
         True,
-    ]  # fmt: skip
+    ]
 
 
 def check(args):
@@ -70,12 +74,17 @@ def test_append_and_flush_match_reference(layout, dtype):
     per_flush = residual_cap // group
     group_cap = 3 * per_flush
     args = static_state(
-        seeded(), layout, 64, dtype,
+        seeded(),
+        layout,
+        64,
+        dtype,
         sink_len=[5, 8, 8, 8, 8, 8, 8],
         residual_len=[0, 17, residual_cap - 1, residual_cap, residual_cap, residual_cap, 0],
         num_groups=[0, per_flush, 0, per_flush, 2 * per_flush, group_cap, per_flush],
-        sink_cap=8, residual_cap=residual_cap, group_cap=group_cap,
-    )  # fmt: skip
+        sink_cap=8,
+        residual_cap=residual_cap,
+        group_cap=group_cap,
+    )
     check(args)
     sink_len, residual_len, num_groups, overflowed = args[5], args[8], args[16], args[17]
     assert sink_len.tolist() == [6] + [8] * 6
@@ -88,15 +97,31 @@ def test_no_sinks_and_no_packed_storage():
     """``sink_tokens=0`` (the token goes straight to the residual) and an fp16-preset cache
     (no groups: a full residual overflows instead of flushing)."""
     no_sinks = static_state(
-        seeded(), "pnmix-1", 64, torch.float16, sink_len=[0, 0], residual_len=[128, 3], num_groups=[0, 1],
-        sink_cap=0, residual_cap=128, group_cap=2,
-    )  # fmt: skip
+        seeded(),
+        "pnmix-1",
+        64,
+        torch.float16,
+        sink_len=[0, 0],
+        residual_len=[128, 3],
+        num_groups=[0, 1],
+        sink_cap=0,
+        residual_cap=128,
+        group_cap=2,
+    )
     check(no_sinks)
     assert no_sinks[8].tolist() == [1, 4] and no_sinks[16].tolist() == [1, 1]
     unquantized = static_state(
-        seeded(), "pnmix-1", 64, torch.float32, sink_len=[4, 4], residual_len=[160, 9], num_groups=[0, 0],
-        sink_cap=4, residual_cap=160, group_cap=0,
-    )  # fmt: skip
+        seeded(),
+        "pnmix-1",
+        64,
+        torch.float32,
+        sink_len=[4, 4],
+        residual_len=[160, 9],
+        num_groups=[0, 0],
+        sink_cap=4,
+        residual_cap=160,
+        group_cap=0,
+    )
     check(unquantized)
     assert unquantized[8].tolist() == [160, 10] and unquantized[17].tolist() == [True, True]
 
@@ -105,8 +130,17 @@ def test_value_codes_not_contiguous_below_the_head_are_refused():
     """The flush writes a group's value words by offset (operand order): strided codes would be
     written wrong, so the launch refuses them, naming the strides."""
     args = static_state(
-        seeded(), "pnmix-1", 64, torch.float16, sink_len=[4], residual_len=[3], num_groups=[0], sink_cap=4, residual_cap=128, group_cap=2,
-    )  # fmt: skip
+        seeded(),
+        "pnmix-1",
+        64,
+        torch.float16,
+        sink_len=[4],
+        residual_len=[3],
+        num_groups=[0],
+        sink_cap=4,
+        residual_cap=128,
+        group_cap=2,
+    )
     args[13] = args[13].transpose(3, 4).contiguous().transpose(3, 4)  # value codes [.., tokens, planes, words], planes innermost
     with pytest.raises(ValueError, match=r"value_codes must be contiguous below the head dim.*strides"):
         triton_decode_append(*args)
@@ -114,9 +148,17 @@ def test_value_codes_not_contiguous_below_the_head_are_refused():
 
 def test_decode_append_op():
     args = static_state(
-        seeded(), "pnmix-2", 64, torch.float16, sink_len=[3, 8], residual_len=[0, 128], num_groups=[0, 2],
-        sink_cap=8, residual_cap=128, group_cap=4,
-    )  # fmt: skip
+        seeded(),
+        "pnmix-2",
+        64,
+        torch.float16,
+        sink_len=[3, 8],
+        residual_len=[0, 128],
+        num_groups=[0, 2],
+        sink_cap=8,
+        residual_cap=128,
+        group_cap=4,
+    )
     torch.library.opcheck(torch.ops.pnmix.decode_append.default, args)
     expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     decode_append_reference(*expected)
@@ -129,8 +171,13 @@ def rotation_inputs(generator, batch, query_heads, heads, head_dim, dtype, norms
     angles = torch.rand(1 if shared_position else batch, 1, head_dim // 2, generator=generator) * 100
     angles = torch.cat((angles, angles), -1)
     weights = [(1 + torch.randn(head_dim, generator=generator) / 4).to(dtype) for _ in range(2)] if norms else [None, None]
-    return (torch.randn(batch, query_heads, head_dim, generator=generator).to(dtype) * 3,
-            angles.cos().to(dtype), angles.sin().to(dtype), *weights, eps)  # fmt: skip
+    return (
+        torch.randn(batch, query_heads, head_dim, generator=generator).to(dtype) * 3,
+        angles.cos().to(dtype),
+        angles.sin().to(dtype),
+        *weights,
+        eps,
+    )
 
 
 def check_rotated(args, rotation, tolerance):
@@ -161,9 +208,17 @@ def test_rotate_and_append_match_reference(dtype, norms, ratio, head_dim, shared
     reference is repeated); float32 norms within 1e-6. ``eps`` = 0.5, so that it matters."""
     generator = seeded()
     args = static_state(
-        generator, "pnmix-1", head_dim, dtype, sink_len=[5, 8, 8], residual_len=[0, 17, 128], num_groups=[0, 1, 1],
-        sink_cap=8, residual_cap=128, group_cap=3,
-    )  # fmt: skip
+        generator,
+        "pnmix-1",
+        head_dim,
+        dtype,
+        sink_len=[5, 8, 8],
+        residual_len=[0, 17, 128],
+        num_groups=[0, 1, 1],
+        sink_cap=8,
+        residual_cap=128,
+        group_cap=3,
+    )
     rotation = rotation_inputs(generator, 3, ratio * HEADS, HEADS, head_dim, dtype, norms, shared_position, eps=0.5)
     check_rotated(args, rotation, 1e-6 if norms and dtype == torch.float32 else 0)
     assert args[8].tolist() == [0, 18, 1] and args[16].tolist() == [0, 1, 2]
@@ -189,9 +244,17 @@ def test_rotation_reference_is_transformers_arithmetic():
 def test_decode_rotate_append_op_and_its_errors():
     generator = seeded()
     args = static_state(
-        generator, "pnmix-2", 64, torch.float16, sink_len=[3, 8], residual_len=[0, 128], num_groups=[0, 2],
-        sink_cap=8, residual_cap=128, group_cap=4,
-    )  # fmt: skip
+        generator,
+        "pnmix-2",
+        64,
+        torch.float16,
+        sink_len=[3, 8],
+        residual_len=[0, 128],
+        num_groups=[0, 2],
+        sink_cap=8,
+        residual_cap=128,
+        group_cap=4,
+    )
     query, cos, sin, query_weight, key_weight, eps = rotation_inputs(generator, 2, 8, HEADS, 64, torch.float16, True, False)
     call = [query, args[0], args[1], cos, sin, query_weight, key_weight, eps, *args[2:]]
     torch.library.opcheck(torch.ops.pnmix.decode_rotate_append.default, call)
@@ -214,9 +277,17 @@ def test_rotate_and_append_on_cuda_in_bf16(norms):
     against the reference, one sequence per append case."""
     generator = seeded()
     args = static_state(
-        generator, "pnmix-1", 128, torch.bfloat16, sink_len=[5, 8, 8], residual_len=[0, 17, 128], num_groups=[0, 1, 1],
-        sink_cap=8, residual_cap=128, group_cap=3,
-    )  # fmt: skip
+        generator,
+        "pnmix-1",
+        128,
+        torch.bfloat16,
+        sink_len=[5, 8, 8],
+        residual_len=[0, 17, 128],
+        num_groups=[0, 1, 1],
+        sink_cap=8,
+        residual_cap=128,
+        group_cap=3,
+    )
     rotation = rotation_inputs(generator, 3, 4 * HEADS, HEADS, 128, torch.bfloat16, norms, False)
     expected = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     query, key = rotate_half_reference(rotation[0], expected[0], *rotation[1:])

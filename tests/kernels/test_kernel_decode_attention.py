@@ -36,9 +36,7 @@ CASES = [
 def test_decode_matches_reference(layout, head_dim, ratio):
     generator = seeded()
     dtype = (torch.float16, torch.float32)[(head_dim // 64 + ratio) % 2]
-    args = decode_inputs(
-        generator, layout, head_dim, ratio, dtype, sink_len=[32, 7, 0], num_groups=[3, 0, 2], residual_len=[1, 128, 65]
-    )
+    args = decode_inputs(generator, layout, head_dim, ratio, dtype, sink_len=[32, 7, 0], num_groups=[3, 0, 2], residual_len=[1, 128, 65])
     check(args, dtype)
 
 
@@ -49,9 +47,16 @@ def test_decode_wide_codes_and_value_groups(layout, dtype, value_group):
     codes in a 32-channel tensor (a pair and a plane), and values in several channel groups per token."""
     generator = seeded()
     args = decode_inputs(
-        generator, layout, 128, 4, dtype, sink_len=[3, 0], num_groups=[3, 2], residual_len=[5, 128],
+        generator,
+        layout,
+        128,
+        4,
+        dtype,
+        sink_len=[3, 0],
+        num_groups=[3, 2],
+        residual_len=[5, 128],
         value_group=value_group,
-    )  # fmt: skip
+    )
     check(args, dtype)
 
 
@@ -62,12 +67,16 @@ def test_decode_lengths_around_boundaries(layout, dtype):
     generator = seeded()
     group = LAYOUTS[layout][1]
     args = decode_inputs(
-        generator, layout, 64, 4, dtype,
+        generator,
+        layout,
+        64,
+        4,
+        dtype,
         sink_len=[31, 32, 0, 1, 32, 0, 5],
         num_groups=[0, 1, 2, 3, 3, 1, 2],
         residual_len=[group - 1, group, group + 1, 63, 64, 65, 128],
         residual_cap=max(128, group + 1),
-    )  # fmt: skip
+    )
     check(args, dtype)
 
 
@@ -75,9 +84,7 @@ def test_decode_lengths_around_boundaries(layout, dtype):
 def test_decode_split_merge(num_splits):
     """Any split count gives the same softmax, also with splits that get no chunk (16 > 6 chunks)."""
     generator = seeded()
-    args = decode_inputs(
-        generator, "pnmix-2", 64, 7, torch.float32, sink_len=[32, 3], num_groups=[3, 1], residual_len=[100, 1]
-    )
+    args = decode_inputs(generator, "pnmix-2", 64, 7, torch.float32, sink_len=[32, 3], num_groups=[3, 1], residual_len=[100, 1])
     check(args, torch.float32, num_splits=num_splits)
 
 
@@ -85,16 +92,24 @@ def test_decode_split_merge(num_splits):
 def test_decode_value_widths(value_bits):
     """Value codes of 1 and 3 bits (a last bit plane; the Triton kernel serves them on GPU too) and 4
     bits (two field words), at a head dim that is not a power of two."""
-    args = decode_inputs(seeded(value_bits), "pnmix-1", 96, 4, torch.float32, sink_len=[3, 0], num_groups=[2, 1],
-                         residual_len=[5, 128], value_bits=value_bits)  # fmt: skip
+    args = decode_inputs(
+        seeded(value_bits),
+        "pnmix-1",
+        96,
+        4,
+        torch.float32,
+        sink_len=[3, 0],
+        num_groups=[2, 1],
+        residual_len=[5, 128],
+        value_bits=value_bits,
+    )
     check(args, torch.float32)
 
 
 @pytest.mark.parametrize(
     "kv_programs, max_chunks, splits",
-    [(8, 256, 66), (64, 128, 8), (256, 512, 2), (512, 128, 1), (4640, 64, 1), (160, 512, 13), (8, 32, 32), (8, 40, 40),
-     (0, 64, 64)],
-)  # fmt: skip
+    [(8, 256, 66), (64, 128, 8), (256, 512, 2), (512, 128, 1), (4640, 64, 1), (160, 512, 13), (8, 32, 32), (8, 40, 40), (0, 64, 64)],
+)
 def test_split_count_fills_one_wave_or_whole_waves(kv_programs, max_chunks, splits):
     """On 528 program slots (an H200 at 4 per multiprocessor): the most splits that fit in one wave
     when they fill 95% of it (8 KV programs: 66; 64: 8, not the 16 of two full waves), else the fewest
@@ -107,9 +122,17 @@ def test_decode_empty_segments():
     """No sink, group or residual capacity at all, and a sequence with no valid token."""
     generator = seeded()
     args = decode_inputs(
-        generator, "pnmix-1", 64, 4, torch.float32,
-        sink_len=[0, 0], num_groups=[0, 0], residual_len=[0, 3], sink_cap=0, group_cap=0,
-    )  # fmt: skip
+        generator,
+        "pnmix-1",
+        64,
+        4,
+        torch.float32,
+        sink_len=[0, 0],
+        num_groups=[0, 0],
+        residual_len=[0, 3],
+        sink_cap=0,
+        group_cap=0,
+    )
     assert args[2].numel() == 0 and args[5].numel() == 0
     out = check(args, torch.float32, num_splits=3)
     assert torch.all(out[0] == 0)
@@ -121,9 +144,7 @@ def test_decode_empty_segments():
 def test_overflowed_sequences_read_nan():
     """The static cache's overflow flag turns that sequence's rows into NaN, in the merge kernel."""
     generator = seeded()
-    args = decode_inputs(
-        generator, "pnmix-1", 64, 4, torch.float16, sink_len=[4, 32, 1], num_groups=[2, 1, 0], residual_len=[9, 64, 3]
-    )
+    args = decode_inputs(generator, "pnmix-1", 64, 4, torch.float16, sink_len=[4, 32, 1], num_groups=[2, 1, 0], residual_len=[9, 64, 3])
     overflowed = torch.tensor([False, True, False])
     got = triton_decode_attention(*args, overflowed, num_splits=2)
     want = decode_attention_reference(*args, overflowed)
@@ -148,16 +169,14 @@ def test_non_finite_group_reads_nan():
 def test_decode_strided_views():
     """Views sliced along the token/group dims are read in place; a transposed tensor is copied."""
     generator = seeded()
-    args = decode_inputs(
-        generator, "pnmix-2", 64, 4, torch.float16, sink_len=[4, 32], num_groups=[2, 1], residual_len=[9, 64]
-    )
+    args = decode_inputs(generator, "pnmix-2", 64, 4, torch.float16, sink_len=[4, 32], num_groups=[2, 1], residual_len=[9, 64])
     args = list(args)
     want = decode_attention_reference(*args)
     query = torch.zeros(2, 8, 3, 64, dtype=torch.float16)
     query[:, :, 1] = args[0]
     args[0] = query[:, :, 1]  # head stride 3 * D
     for index in (2, 3, 13, 14):  # sinks and residual: capacity cut, data unchanged
-        args[index] = args[index][:, :, :64 if index > 3 else 32]
+        args[index] = args[index][:, :, : 64 if index > 3 else 32]
     for index in (5, 6, 7, 8):  # packed keys: groups past the longest sequence cut off
         args[index] = args[index][:, :, :2]
     for index in (9, 10, 11):
@@ -171,11 +190,26 @@ def test_decode_strided_views():
 def test_reference_matches_naive_attention():
     """The reference (the op's CPU implementation) against a per-sequence loop."""
     generator = seeded()
-    args = decode_inputs(
-        generator, "pnmix-2", 64, 4, torch.float32, sink_len=[3, 0], num_groups=[2, 1], residual_len=[5, 0]
-    )
-    (query, order, sink_k, sink_v, sink_len, k_high, k_low, k_scale, k_zero,
-     v_codes, v_scale, v_zero, num_groups, res_k, res_v, res_len, scaling) = args  # fmt: skip
+    args = decode_inputs(generator, "pnmix-2", 64, 4, torch.float32, sink_len=[3, 0], num_groups=[2, 1], residual_len=[5, 0])
+    (
+        query,
+        order,
+        sink_k,
+        sink_v,
+        sink_len,
+        k_high,
+        k_low,
+        k_scale,
+        k_zero,
+        v_codes,
+        v_scale,
+        v_zero,
+        num_groups,
+        res_k,
+        res_v,
+        res_len,
+        scaling,
+    ) = args
     keys = dequantize_keys(k_high, k_low, k_scale, k_zero, mask_of(order, k_high.shape[-1]))
     group = 32 * k_high.shape[4]
     values = dequantize_values(v_codes, v_scale, v_zero, group)

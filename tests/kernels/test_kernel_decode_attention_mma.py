@@ -98,12 +98,12 @@ def test_value_operands_rebuild_the_codes(value_bits):
     words = planes_to_fields(pack_bits(codes, value_bits)).reshape(8, value_bits // 2, 4)  # [token, field word m, u]
     channel = torch.arange(64)
     k = channel % 4
-    byte_of = ((words[:, :, channel // 16] >> (8 * ((channel % 16) // 4))) & 0xFF)  # [token, m, channel]
+    byte_of = (words[:, :, channel // 16] >> (8 * ((channel % 16) // 4))) & 0xFF  # [token, m, channel]
     reading = (byte_of & (3 << (2 * k))).to(torch.uint8).view(torch.int8).to(torch.float64)
     horner = torch.zeros(8, 64, dtype=torch.float64)
     for m in range(value_bits // 2 - 1, -1, -1):
         horner = horner * 4 + reading[:, m]
-    rebuilt = horner * 4.0 ** -k + torch.where(k == 3, mma.top_field_correction(value_bits), 0.0)
+    rebuilt = horner * 4.0**-k + torch.where(k == 3, mma.top_field_correction(value_bits), 0.0)
     assert torch.equal(rebuilt, codes.to(torch.float64))
 
 
@@ -187,8 +187,10 @@ def test_accumulator_bases_are_the_mma_fragment(rows, columns):
         tile = register >> 2
         for lane in range(32):
             for warp in range(4):
-                want = [lane // 4 + 8 * (register >> 1 & 1) + 16 * warp + 64 * (tile // column_tiles),
-                        2 * (lane % 4) + (register & 1) + 8 * (tile % column_tiles)]  # fmt: skip
+                want = [
+                    lane // 4 + 8 * (register >> 1 & 1) + 16 * warp + 64 * (tile // column_tiles),
+                    2 * (lane % 4) + (register & 1) + 8 * (tile % column_tiles),
+                ]
                 assert linear_element(bases, register, lane, warp) == want
 
 
@@ -253,8 +255,9 @@ def test_value_words_swizzle_puts_paired_rows_in_other_banks(group_size, value_b
             assert bank_group(row, chunk) != bank_group(row + 1, chunk)
 
 
-@pytest.mark.parametrize("head_dim, num_high, width", [(128, 64, 64), (128, 52, 64), (128, 128, 128), (128, 0, 0),
-                                                        (64, 26, 32), (128, 70, 128)])
+@pytest.mark.parametrize(
+    "head_dim, num_high, width", [(128, 64, 64), (128, 52, 64), (128, 128, 128), (128, 0, 0), (64, 26, 32), (128, 70, 128)]
+)
 def test_high_tile_width(head_dim, num_high, width):
     assert mma.high_tile_width(head_dim, num_high) == width
 
@@ -286,13 +289,23 @@ def test_columns_pair_up_to_4_heads(ratio):
 
 @pytest.mark.parametrize(
     "shapes, supported",
-    [((128, 128, 3, 1, 2, 1, 32, 8, 64), True), ((64, 64, 4, 2, 4, 1, 28, 4, 16), True), ((128, 256, 3, 1, 1, 1, 16, 1, 0), False),
-     ((128, 256, 3, 1, 2, 1, 16, 1, 0), True),
-     ((128, 64, 3, 1, 2, 1, 32, 8, 52), True), ((128, 128, 2, 2, 2, 1, 32, 8, 128), True),
-     ((128, 192, 3, 1, 2, 1, 32, 8, 64), False), ((128, 32, 3, 1, 2, 1, 32, 8, 64), False), ((128, 128, 3, 1, 3, 1, 32, 8, 64), False),
-     ((128, 128, 8, 4, 2, 1, 32, 8, 64), False), ((96, 128, 3, 1, 2, 1, 32, 8, 64), False), ((128, 128, 3, 1, 2, 2, 32, 8, 64), False),
-     ((128, 128, 3, 1, 2, 1, 34, 2, 64), False), ((64, 64, 3, 1, 2, 1, 32, 8, 26), False)],
-)  # fmt: skip
+    [
+        ((128, 128, 3, 1, 2, 1, 32, 8, 64), True),
+        ((64, 64, 4, 2, 4, 1, 28, 4, 16), True),
+        ((128, 256, 3, 1, 1, 1, 16, 1, 0), False),
+        ((128, 256, 3, 1, 2, 1, 16, 1, 0), True),
+        ((128, 64, 3, 1, 2, 1, 32, 8, 52), True),
+        ((128, 128, 2, 2, 2, 1, 32, 8, 128), True),
+        ((128, 192, 3, 1, 2, 1, 32, 8, 64), False),
+        ((128, 32, 3, 1, 2, 1, 32, 8, 64), False),
+        ((128, 128, 3, 1, 3, 1, 32, 8, 64), False),
+        ((128, 128, 8, 4, 2, 1, 32, 8, 64), False),
+        ((96, 128, 3, 1, 2, 1, 32, 8, 64), False),
+        ((128, 128, 3, 1, 2, 2, 32, 8, 64), False),
+        ((128, 128, 3, 1, 2, 1, 34, 2, 64), False),
+        ((64, 64, 3, 1, 2, 1, 32, 8, 26), False),
+    ],
+)
 def test_supports_shapes(shapes, supported):
     """Head dim, group size (a power of two, at least 64), code widths (value codes 2 or 4 bits: 2-bit fields),
     one value group per token, at most 16 query heads per KV head, selected channels a multiple of 4
@@ -325,22 +338,39 @@ def compile_for_sm90(layout: str, head_dim: int, ratio: int, dtype_name: str) ->
     kernel = mma._decode_split_kernel_mma
     constants = mma.kernel_constants(head_dim, ratio, group, num_high(layout, head_dim), bits_high, bits_low, 2)
     floats = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    types = {"order_ptr": "*i64", "kc_high_ptr": "*i32", "kc_low_ptr": "*i32", "vc_ptr": "*i32", "sink_len_ptr": "*i32",
-             "num_groups_ptr": "*i32", "res_len_ptr": "*i32", "m_out_ptr": "*fp32", "l_out_ptr": "*fp32", "acc_out_ptr": "*fp32"}  # fmt: skip
+    types = {
+        "order_ptr": "*i64",
+        "kc_high_ptr": "*i32",
+        "kc_low_ptr": "*i32",
+        "vc_ptr": "*i32",
+        "sink_len_ptr": "*i32",
+        "num_groups_ptr": "*i32",
+        "res_len_ptr": "*i32",
+        "m_out_ptr": "*fp32",
+        "l_out_ptr": "*fp32",
+        "acc_out_ptr": "*fp32",
+    }
     signature = {
-        name: "constexpr" if name in constants else types.get(name, floats) if name.endswith("_ptr")
-        else "fp32" if name == "qk_scale" else "i32"
+        name: "constexpr"
+        if name in constants
+        else types.get(name, floats)
+        if name.endswith("_ptr")
+        else "fp32"
+        if name == "qk_scale"
+        else "i32"
         for name in kernel.arg_names
-    }  # fmt: skip
+    }
     compiled = triton.compile(
-        GluonASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+        GluonASTSource(kernel, signature, constants),
+        target=GPUTarget("cuda", 90, 32),
         options={"num_warps": mma.NUM_WARPS},
-    )  # fmt: skip
+    )
     return compiled.asm["ptx"]
 
 
-@pytest.mark.parametrize("layout, head_dim, ratio, dtype", [("pnmix-1", 128, 4, "bfloat16"), ("pnmix-2", 128, 7, "float16"),
-                                                          ("r0", 64, 7, "float16")])
+@pytest.mark.parametrize(
+    "layout, head_dim, ratio, dtype", [("pnmix-1", 128, 4, "bfloat16"), ("pnmix-2", 128, 7, "float16"), ("r0", 64, 7, "float16")]
+)
 def test_kernel_builds_for_sm90(layout, head_dim, ratio, dtype):
     """Compiles for sm_90 on this CPU (a separate process without the interpreter): the layouts are
     valid, every operand conversion is free (``assert_trivial``), the 8-bit MMA and the asynchronous
@@ -381,12 +411,19 @@ def assert_matches_reference_on_cuda(args: tuple, dtype: torch.dtype, splits=(No
         torch.testing.assert_close(got, want, atol=tolerance, rtol=tolerance)
         assert (got - want).norm() / want.norm() < tolerance / 4
 
+
 CUDA_CASES = [
-    ("pnmix-1", 128, 4, torch.bfloat16), ("pnmix-1", 128, 4, torch.float16), ("pnmix-1", 64, 4, torch.bfloat16),
-    ("pnmix-1", 128, 1, torch.bfloat16), ("pnmix-1", 128, 7, torch.float16), ("pnmix-2", 128, 4, torch.bfloat16),
-    ("r0", 64, 7, torch.float16), ("kivi-2", 128, 4, torch.bfloat16), ("kivi-2", 64, 1, torch.float16),
+    ("pnmix-1", 128, 4, torch.bfloat16),
+    ("pnmix-1", 128, 4, torch.float16),
+    ("pnmix-1", 64, 4, torch.bfloat16),
+    ("pnmix-1", 128, 1, torch.bfloat16),
+    ("pnmix-1", 128, 7, torch.float16),
+    ("pnmix-2", 128, 4, torch.bfloat16),
+    ("r0", 64, 7, torch.float16),
+    ("kivi-2", 128, 4, torch.bfloat16),
+    ("kivi-2", 64, 1, torch.float16),
     ("r0", 128, 4, torch.bfloat16),
-]  # fmt: skip
+]
 
 
 @requires_cuda
@@ -405,16 +442,16 @@ def test_matches_reference_on_cuda(layout, head_dim, ratio, dtype, lengths):
 @requires_cuda
 @pytest.mark.parametrize(
     "layout, ratio, dtype, value_bits",
-    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4),
-     ("r25", 4, torch.bfloat16, 2)],
-)  # fmt: skip
+    [("4-2", 4, torch.bfloat16, 2), ("pnmix-1", 4, torch.float16, 4), ("kivi-2", 7, torch.float16, 4), ("r25", 4, torch.bfloat16, 2)],
+)
 def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
     """Kitty's 4-bit keys (two pairs of planes as 2-bit fields), 4-bit values (two field words per
     row: 4 bits take the 64-token step), and a first key tile whose chunks differ in kind at a level
     (``r25``: 2-bit fields in the 32 selected channels, a plane in the others). 1- and 3-bit values
     (a bit plane) go to the Triton kernel."""
-    args = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1],
-                         residual_len=[7, 128, 0], value_bits=value_bits)  # fmt: skip
+    args = decode_inputs(
+        seeded(), layout, 128, ratio, dtype, sink_len=[32, 0, 5], num_groups=[3, 2, 1], residual_len=[7, 128, 0], value_bits=value_bits
+    )
     assert mma.step_tokens(128, value_bits) == (64 if value_bits == 4 else 128)
     for odd in (1, 3):
         odd_bits = decode_inputs(seeded(), layout, 128, ratio, dtype, sink_len=[1], num_groups=[1], residual_len=[1], value_bits=odd)
@@ -427,8 +464,7 @@ def test_wide_codes_match_reference_on_cuda(layout, ratio, dtype, value_bits):
 def test_other_head_ratios_and_two_steps_per_group_on_cuda(layout, ratio):
     """Paired columns with 2 and 3 heads, 8 and 16 heads in two MMAs, and 256-token groups (two
     128-token steps per group) against the reference."""
-    args = decode_inputs(seeded(), layout, 128, ratio, torch.bfloat16, sink_len=[32, 0, 9], num_groups=[3, 1, 2],
-                         residual_len=[1, 128, 40])  # fmt: skip
+    args = decode_inputs(seeded(), layout, 128, ratio, torch.bfloat16, sink_len=[32, 0, 9], num_groups=[3, 1, 2], residual_len=[1, 128, 40])
     assert_matches_reference_on_cuda(args, torch.bfloat16, (None, 2))
 
 
@@ -436,8 +472,7 @@ def largest_value_sums(value_bits: int, dtype: torch.dtype) -> tuple:
     """Inputs whose step sums of 8-bit value products are the largest possible: every key code and
     group parameter equal (every p = 1), every value code at its largest, one value scale for all
     tokens (every 8-bit part of p is 127). One sequence of 3 groups, nothing else."""
-    args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0],
-                              value_bits=value_bits))  # fmt: skip
+    args = list(decode_inputs(seeded(), "pnmix-1", 128, 4, dtype, sink_len=[0], num_groups=[3], residual_len=[0], value_bits=value_bits))
     for index in (5, 6):  # key codes
         args[index] = torch.zeros_like(args[index])
     for index in (7, 8):  # key scales and zeros: group 0's everywhere
@@ -527,7 +562,9 @@ def test_non_finite_group_gives_nan_on_cuda():
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize("preset, group_size, ratio, registers", [("pnmix-1", 128, 4, 128), ("pnmix-2", 64, 4, 96), ("pnmix-2", 64, 7, 128)])
+@pytest.mark.parametrize(
+    "preset, group_size, ratio, registers", [("pnmix-1", 128, 4, 128), ("pnmix-2", 64, 4, 96), ("pnmix-2", 64, 7, 128)]
+)
 def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ratio, registers):
     """On CPU: the launcher hands the Gluon kernel each of its parameters once, with the register cap
     of the group size and head ratio (recorded, not run)."""
@@ -543,14 +580,14 @@ def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ra
     monkeypatch.setattr(mma, "default_splits", lambda query, kv_programs, max_groups, group_size: 2)
     args = decode_inputs(seeded(), preset, 128, ratio, torch.bfloat16, sink_len=[3, 0], num_groups=[1, 2], residual_len=[5, 0])
     mma.mma_decode_attention(*args)
-    (grid, positional, keywords), = calls
+    ((grid, positional, keywords),) = calls
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
     options = {"num_warps", "maxnreg", "launch_pdl"}  # launch options
     assert keywords["maxnreg"] == registers
     assert keywords["PDL"] is keywords["launch_pdl"] is False  # CPU tensors: no programmatic dependent launch
     assert len(positional) + len(keywords) - len(options) == len(names)
-    assert set(keywords) - options == set(names[len(positional):])
+    assert set(keywords) - options == set(names[len(positional) :])
     assert positional[names.index("group_cap")] == args[5].shape[2]
     assert keywords["D"] == 128 and keywords["G"] == group_size and keywords["BLOCK_Q"] == 8
     with pytest.raises(ValueError, match="max_registers must be an int, None or 'auto'; got '96'"):

@@ -102,8 +102,7 @@ def test_triton_gemv_stacked_matches_linear(stack, columns, dtype, with_bias):
     weights = [torch.randn(rows, columns, generator=generator).to(dtype) for rows in stack]
     biases = [torch.randn(rows, generator=generator).to(dtype) for rows in stack] if with_bias else []
     x = torch.randn(columns, generator=generator).to(dtype)
-    want = torch.cat([F.linear(x.double(), w.double(), b.double() if with_bias else None)
-                      for w, b in zip(weights, biases or weights)])  # fmt: skip
+    want = torch.cat([F.linear(x.double(), w.double(), b.double() if with_bias else None) for w, b in zip(weights, biases or weights)])
     got = triton_gemv_stacked(x, weights, biases)
     assert got.dtype == dtype and got.shape == (sum(stack),)
     assert_close_to_float64(got, want, columns)
@@ -120,8 +119,9 @@ def test_stacked_cuda_dispatch_falls_back_for_strided_weights(monkeypatch):
     want = torch.cat([F.linear(x.float(), w.t().float()) for w in weights])
     torch.testing.assert_close(_gemv_stacked_cuda(x, [w.t().contiguous() for w in weights], []).float(), want, atol=1e-2, rtol=1e-3)
     assert launched == [1]
-    torch.testing.assert_close(_gemv_stacked_cuda(x, [weights[0].t().contiguous(), weights[1].t(), weights[2].t()], []).float(),
-                               want, atol=1e-2, rtol=1e-3)  # fmt: skip
+    torch.testing.assert_close(
+        _gemv_stacked_cuda(x, [weights[0].t().contiguous(), weights[1].t(), weights[2].t()], []).float(), want, atol=1e-2, rtol=1e-3
+    )
     assert launched == [1]
 
 

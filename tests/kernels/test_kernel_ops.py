@@ -35,9 +35,7 @@ def test_pack_values_op():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_decode_attention_op(dtype):
     generator = seeded()
-    args = decode_inputs(
-        generator, "pnmix-1", 64, 4, dtype, sink_len=[5, 0], num_groups=[1, 0], residual_len=[3, 0], garbage=0.0
-    )
+    args = decode_inputs(generator, "pnmix-1", 64, 4, dtype, sink_len=[5, 0], num_groups=[1, 0], residual_len=[3, 0], garbage=0.0)
     torch.library.opcheck(torch.ops.pnmix.decode_attention.default, args)
     assert torch.equal(decode_attention(*args), decode_attention_reference(*args))
     torch.library.opcheck(torch.ops.pnmix.decode_attention.default, (*args, torch.tensor([False, False])))  # (NaN != NaN)

@@ -56,7 +56,13 @@ def test_without_a_shadowed_package_the_top_level_name_is_an_empty_module():
 def test_the_documented_module_commands_run_from_the_repository_root():
     """``python -m pnmix_patch.planner`` (README) from the checkout's root: transformers imports its
     models (and, from 5.25 on, Hugging Face's ``kernels``) with the folder first on ``sys.path``."""
-    result = subprocess.run([sys.executable, "-m", "pnmix_patch.planner", "--help"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=300, env=dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1"))
+    result = subprocess.run(
+        [sys.executable, "-m", "pnmix_patch.planner", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH="", OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stderr
     assert "--model" in result.stdout

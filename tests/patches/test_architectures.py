@@ -5,9 +5,7 @@ from conftest import output_cache, tiny_model
 
 from pnmix_patch import PNMixConfig, new_cache, patch_model, unpatch_model
 
-EIGHT_BIT = PNMixConfig(
-    pair_ratio=1.0, key_bits_high=8, key_bits_low=8, value_bits=8, sink_tokens=4, residual_tokens=32, key_group_size=32
-)
+EIGHT_BIT = PNMixConfig(pair_ratio=1.0, key_bits_high=8, key_bits_low=8, value_bits=8, sink_tokens=4, residual_tokens=32, key_group_size=32)
 
 
 def left_padded_batch(vocab=96, lengths=(23, 9), seed=1):
@@ -59,9 +57,14 @@ def test_pnmix1_generates_across_three_flushes(architecture):
     ids, mask = left_padded_batch(lengths=(30, 17))
     patch_model(model)
     output = model.generate(
-        ids, attention_mask=mask, max_new_tokens=440, min_new_tokens=440, do_sample=False, pad_token_id=0,
+        ids,
+        attention_mask=mask,
+        max_new_tokens=440,
+        min_new_tokens=440,
+        do_sample=False,
+        pad_token_id=0,
         return_dict_in_generate=True,
-    )  # fmt: skip
+    )
     cache = output_cache(output)
     layer = cache.layers[0]
     stored = layer.sink_len + layer.num_groups * 128 + layer.residual_len

@@ -13,18 +13,18 @@ from pnmix_patch.reference.quantize import (
     dequantize_keys,
     dequantize_values,
     encode,
+    key_word_distance,
     keys_from_operand_order,
     keys_to_operand_order,
-    key_word_distance,
-    thread_owned_keys,
-    unpack_keys,
     minmax_params,
     pack_bits,
     quantize_keys,
     quantize_values,
     scale_dtype_for,
+    thread_owned_keys,
     transpose_byte_quads,
     unpack_bits,
+    unpack_keys,
     unpack_values,
     values_from_operand_order,
     values_to_operand_order,
@@ -144,9 +144,14 @@ def test_non_finite_group_reads_nan(bad, midpoint):
     assert int(codes.min()) >= 0 and int(codes.max()) <= 1
 
 
-@pytest.mark.parametrize("dtype, expected", [
-    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float32, torch.float16),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype, expected",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float16),
+    ],
+)
 def test_scale_dtype_for(dtype, expected):
     assert scale_dtype_for(dtype) == expected
 
@@ -189,9 +194,7 @@ def test_pack_bits_layout():
     codes[31] = 0b010
     codes[40] = 0b111
     packed = pack_bits(codes, 3)
-    expected = torch.tensor(
-        [[1 << 5, 1 << 8], [-(2**31), 1 << 8], [1 << 5, 1 << 8]], dtype=torch.int32
-    )
+    expected = torch.tensor([[1 << 5, 1 << 8], [-(2**31), 1 << 8], [1 << 5, 1 << 8]], dtype=torch.int32)
     assert torch.equal(packed, expected)
 
 
@@ -220,8 +223,23 @@ def test_transpose_byte_quads_known_words():
     assert torch.equal(transpose_byte_quads(out, 0), words)
 
 
-@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 64, 3), (8, 32, 3), (6, 32, 3), (2, 26, 3), (3, 64, 3),
-                                                    (2, 4, 3), (2, 2, 3), (2, 0, 3), (4, 64, 4), (2, 32, 2), (2, 32, 1)])
+@pytest.mark.parametrize(
+    "rows, channels, planes",
+    [
+        (4, 64, 3),
+        (2, 64, 3),
+        (8, 32, 3),
+        (6, 32, 3),
+        (2, 26, 3),
+        (3, 64, 3),
+        (2, 4, 3),
+        (2, 2, 3),
+        (2, 0, 3),
+        (4, 64, 4),
+        (2, 32, 2),
+        (2, 32, 1),
+    ],
+)
 def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
     """Every plane's bits where the module docstring puts them: thread-owned words with each pair of
     planes as two words of 2-bit fields and an odd last plane as a plane, or byte quads."""
@@ -253,8 +271,23 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
     assert torch.equal(keys_from_operand_order(ordered), plain)
 
 
-@pytest.mark.parametrize("rows, channels, planes", [(4, 64, 3), (2, 32, 3), (2, 26, 3), (3, 64, 3), (2, 0, 3), (4, 32, 9), (2, 26, 9),
-                                                    (4, 64, 1), (4, 64, 2), (2, 32, 4), (4, 32, 8), (4, 32, 10)])
+@pytest.mark.parametrize(
+    "rows, channels, planes",
+    [
+        (4, 64, 3),
+        (2, 32, 3),
+        (2, 26, 3),
+        (3, 64, 3),
+        (2, 0, 3),
+        (4, 32, 9),
+        (2, 26, 9),
+        (4, 64, 1),
+        (4, 64, 2),
+        (2, 32, 4),
+        (4, 32, 8),
+        (4, 32, 10),
+    ],
+)
 def test_unpack_keys_reads_the_stored_codes(rows, channels, planes):
     """Codes of 1 to 4 bits (field words alone, or with an odd last plane), 8, and 9 or 10 (past the
     bytes the codes are combined in up to 8 bits)."""
@@ -294,8 +327,9 @@ def test_values_in_operand_order_hold_the_documented_bits(tokens, block, bits):
     assert torch.equal(values_from_operand_order(ordered, block), plain)
 
 
-@pytest.mark.parametrize("tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4),
-                                                (44, 8, 5), (16, 8, 8)])
+@pytest.mark.parametrize(
+    "tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4), (44, 8, 5), (16, 8, 8)]
+)
 def test_unpack_values_reads_the_codes_the_planes_hold(tokens, block, bits):
     """The value codes read straight from the words in operand order (field words, the odd last plane,
     the plain partial block) are those of the bit planes they were made from."""
@@ -392,10 +426,7 @@ def test_dequantize_keys_with_a_mask_per_group():
     batch, heads, group, head_dim, groups, num_high = 2, 2, 64, 32, 3, 8
     keys = make_keys(batch, heads, groups * group, head_dim, gen)
     masks = torch.stack([random_channel_mask(batch, heads, head_dim, num_high, gen) for _ in range(groups)], dim=2)
-    parts = [
-        quantize_keys(keys[:, :, g * group : (g + 1) * group], masks[:, :, g], num_high, group, 4, 2, True)
-        for g in range(groups)
-    ]
+    parts = [quantize_keys(keys[:, :, g * group : (g + 1) * group], masks[:, :, g], num_high, group, 4, 2, True) for g in range(groups)]
     packed = [torch.cat(tensors, dim=2) for tensors in zip(*parts)]
     out = dequantize_keys(*packed, masks)
     for g in range(groups):
@@ -529,5 +560,5 @@ def test_quantize_values_bf16_scale_dtype():
     codes, scale, zero = quantize_values(values, 2, 64, True, 4)
     assert scale.dtype == zero.dtype == torch.bfloat16
     out = dequantize_values(codes, scale, zero, 4)
-    value_range = (values.float().amax(-1, keepdim=True) - values.float().amin(-1, keepdim=True))
+    value_range = values.float().amax(-1, keepdim=True) - values.float().amin(-1, keepdim=True)
     assert ((out - values.float()).abs() <= value_range / 6 + 2**-7 * (value_range + values.float().abs().amax())).all()
