@@ -97,6 +97,11 @@ class PNMixDecoder(RuntimeMixin):
         """The positional arguments, and ``kwargs`` in place, with the cache made a PN-Mix one. Both names
         are accepted on every version (``cache``, and ``past_key_values``, still accepted by >= 5.24);
         the version's own is passed on."""
+        if kwargs.get("output_attentions") or (kwargs.get("output_attentions") is None and self.config.output_attentions):
+            raise ValueError(
+                "output_attentions=True: PN-Mix attention never forms the attention weights (the decode kernels read "
+                "packed keys and return outputs only). Pass output_attentions=False, or unpatch_model(model) to get them."
+            )
         cache_name, position = self._pnmix_cache_argument
         args = list(args)
         cache = args[position] if len(args) > position else None
@@ -132,8 +137,16 @@ def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix
         ValueError: unsupported architecture or configuration (sliding windows); a module to patch
             with a ``forward`` set on the instance (other than accelerate's hooks, which keep running,
             see :func:`~pnmix_patch.mixins.set_classes`).
+        TypeError: ``model`` is not a transformers model.
+
+    A patched model refuses ``output_attentions=True`` (PN-Mix attention never forms the weights).
     """
     pnmix_config = resolve_config(pnmix_config)
+    if not hasattr(getattr(model, "config", None), "get_text_config"):
+        raise TypeError(
+            f"patch_model needs a transformers model (a PreTrainedModel with a config: Llama, Mistral, Qwen2 or Qwen3), "
+            f"got {type(model).__name__}"
+        )
     model_config = model.config.get_text_config(decoder=True)
     adapter = get_patch(model_config.model_type)
     adapter.check_config(model_config)
@@ -200,8 +213,8 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
 
     Args:
         model: a model patched with :func:`patch_model`.
-        max_cache_len: positions the cache accepts (prompt plus generated tokens);
-            default the model's ``max_position_embeddings``; required when ``static``.
+        max_cache_len: positions the cache accepts (prompt plus generated tokens); required when
+            ``static``. Default for the dynamic cache: no limit (it grows like ``DynamicCache``).
         static: a :class:`~pnmix_patch.static_cache.PNMixStaticCache` (preallocated,
             compileable with ``torch.compile(fullgraph=True)`` and CUDA graphs) instead
             of the growing :class:`~pnmix_patch.cache.PNMixCache`.

@@ -515,12 +515,12 @@ class PNMixCache(Cache):
     """A transformers ``Cache`` of :class:`PNMixLayer` s, one per decoder layer.
 
     Args:
-        config: the model's ``PretrainedConfig`` (for the number of layers and
-            ``max_position_embeddings``), as transformers' caches take it.
+        config: the model's ``PretrainedConfig`` (for the number of layers), as transformers' caches take it.
         pnmix_config: a :class:`PNMixConfig` or preset name.
         pairing: RoPE pairing of the architecture (``"half"`` or ``"interleaved"``).
-        max_cache_len: positions the cache accepts (default: the model's
-            ``max_position_embeddings``); more raises ``ValueError``.
+        max_cache_len: positions the cache accepts; more raises ``ValueError``. Default None: the cache
+            grows as long as the generation does, like transformers' ``DynamicCache`` (its packed groups
+            are reserved as they fill).
     """
 
     layer_class = PNMixLayer
@@ -528,8 +528,6 @@ class PNMixCache(Cache):
     def __init__(self, config, pnmix_config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
         self.pnmix_config = resolve_config(pnmix_config)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if max_cache_len is None:
-            max_cache_len = getattr(text_config, "max_position_embeddings", None)
         layers = [self.layer_class(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
 

@@ -1,9 +1,10 @@
 """Command line: ``pnmix demo``, ``pnmix eval`` and ``pnmix plan`` (also ``python -m pnmix_patch ...``).
 
-``demo`` generates a long answer with the unquantized cache and with PN-Mix on the
-same model, prints both texts, the KV-cache bytes each holds, the compression ratio,
-and the top-1 agreement: the PN-Mix model is teacher-forced along the unquantized answer and
-its next-token choice compared with the unquantized one at every step.
+``demo`` generates an answer (greedy, up to ``--tokens``, ending where the model ends it) with the
+unquantized cache and with PN-Mix on the same model, prints both texts, the KV-cache bytes each
+holds, the compression ratio of what was stored, and the top-1 agreement: the PN-Mix model is
+teacher-forced along the unquantized answer and its next-token choice compared with the unquantized
+one at every step of it.
 
 ``eval`` measures fidelity to full precision on a real model (attention KL of decode
 queries, long-output teacher-forced KL and top-1, passkey retrieval accuracy, GSM8K
@@ -17,6 +18,8 @@ writes JSON and PNG plots, and prints tables (:mod:`pnmix_patch.eval.evaluation`
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 import time
 
@@ -29,7 +32,8 @@ from .api import new_cache, patch_model, unpatch_model
 from .config import PRESETS
 from .eval.models import DEFAULT_MODEL, load_model
 
-EVAL_OUTPUT = "benchmarks/results/eval_{model}.json"
+EVAL_OUTPUT = "eval_{model}.json"
+"""Default results file of ``pnmix eval``, in the working directory."""
 
 DEMO_QUESTION = (
     "A train leaves at 9:40 and travels 180 km at 72 km/h, then stops for 25 minutes and covers the "
@@ -60,7 +64,6 @@ def _generate(model, inputs, tokens: int, description: str):
     output = model.generate(
         **inputs,
         max_new_tokens=tokens,
-        min_new_tokens=tokens,
         do_sample=False,
         return_dict_in_generate=True,
         streamer=_ProgressStreamer(tokens, description),
@@ -103,18 +106,28 @@ def demo(args: argparse.Namespace) -> int:
     for title, sequence in (("unquantized", dense_sequence), (args.preset, pnmix_sequence)):
         print(f"\n===== {title} answer =====")
         print(tokenizer.decode(sequence[0, prompt_length:], skip_special_tokens=True))
-    cached = prompt_length + args.tokens - 1
+    cached = dense_cache.get_seq_length()
     print(f"\n===== KV cache after {cached} tokens ({args.dtype}) =====")
     print(f"unquantized:  {dense_bytes:>12,d} bytes   ({dense_seconds:.1f} s to generate)")
     print(f"{args.preset:<13} {report['total_bytes']:>12,d} bytes   ({pnmix_seconds:.1f} s to generate)")
     for part in ("sinks", "residual", "packed_keys", "packed_values", "scales_zeros", "masks"):
         print(f"    {part:<14}{report[part]:>12,d} bytes")
-    print(
-        f"compression ratio {dense_bytes / report['total_bytes']:.2f}x; quantized region: "
-        f"{report['key_bits_per_element']:.3f} key bits, {report['value_bits_per_element']:.3f} value bits per element"
-    )
-    print(f"top-1 agreement with the unquantized model along its answer: {agreement:.3f}")
-    print("(sinks and residual stay unquantized: the ratio grows with the generation length)")
+    if not PRESETS[args.preset].quantize:
+        print("the fp16 preset quantizes nothing: same cache and attention, full precision")
+    elif report["quantized_elements"] == 0:
+        config = PRESETS[args.preset]
+        print(
+            f"nothing was quantized: every token is still in the sinks ({config.sink_tokens}) or the residual "
+            f"({config.residual_tokens}), kept at full precision; generate longer to see compression"
+        )
+    else:
+        print(
+            f"compression ratio {dense_bytes / report['total_bytes']:.2f}x; quantized region: "
+            f"{report['key_bits_per_element']:.3f} key bits, {report['value_bits_per_element']:.3f} value bits per element"
+        )
+        print("(sinks and residual stay unquantized: the ratio grows with the generation length)")
+    answer = dense_sequence.shape[1] - prompt_length
+    print(f"top-1 agreement with the unquantized model along its answer ({answer} tokens): {agreement:.3f}")
     return 0
 
 
@@ -141,6 +154,18 @@ def evaluate(args: argparse.Namespace) -> int:
     methods = evaluation.resolve_methods(args.methods or ["presets", "criteria", "ablations", "sweep"])
     model_label = Path(args.model).stem if args.model.endswith(".gguf") else args.model
     output = Path(args.output or EVAL_OUTPUT.format(model=model_label + ("_quick" if args.quick else "")))
+    if "gsm8k" in args.metrics and importlib.util.find_spec("lm_eval") is None:
+        raise ValueError('--metrics gsm8k runs lm-evaluation-harness, which is not installed: pip install "pnmix-patch[eval]"')
+    plotting = importlib.util.find_spec("matplotlib") is not None
+    if not plotting:
+        print('matplotlib is not installed: the tables are printed, the plots are skipped (pip install "pnmix-patch[eval]")')
+    if output.is_file():  # refuse a file of other settings before the model loads
+        evaluation.check_resumable(
+            output, json.loads(output.read_text()), args.metrics,
+            {"model": model_label, "context": args.context, "queries": args.queries, "long_tokens": args.long_tokens},
+            evaluation.passkey_run_settings(args.passkey_seed, args.passkey_trials),
+            evaluation.gsm8k_run_settings(args.gsm8k_task, args.gsm8k_limit, args.gsm8k_max_tokens, args.gsm8k_batch),
+        )  # fmt: skip
     torch.manual_seed(0)
     print(f"loading {args.model} ({args.dtype}) ...", flush=True)
     model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
@@ -165,8 +190,8 @@ def evaluate(args: argparse.Namespace) -> int:
         gsm8k_max_tokens=args.gsm8k_max_tokens,
         gsm8k_batch=args.gsm8k_batch,
     )
-    plots = evaluation.plot_results(results, Path(args.plots) if args.plots else output.parent, output.stem)
-    print(evaluation.summary_table(results))
+    plots = evaluation.plot_results(results, Path(args.plots) if args.plots else output.parent, output.stem) if plotting else []
+    print(evaluation.summary_table(results, methods))
     print(f"results: {output}" + "".join(f"\nplot: {path}" for path in plots))
     return 0
 
@@ -176,8 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     demo_parser = commands.add_parser("demo", help="generate unquantized and with PN-Mix, compare memory and tokens")
     demo_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file, a local folder or a hub id")
-    demo_parser.add_argument("--preset", default="pnmix-1", choices=sorted(p for p in PRESETS if p != "fp16"))
-    demo_parser.add_argument("--tokens", type=int, default=320, help="tokens to generate (default 320)")
+    demo_parser.add_argument(
+        "--preset", default="pnmix-1", choices=sorted(PRESETS), help="fp16: the same cache and attention, nothing quantized"
+    )
+    demo_parser.add_argument("--tokens", type=int, default=320, help="most tokens to generate (default 320; the answer may end sooner)")
     demo_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="float32 by default: CPUs run bfloat16 slowly")
     demo_parser.add_argument("--prompt", default=DEMO_QUESTION)
     eval_parser = commands.add_parser("eval", help="fidelity to full precision: attention KL, long outputs, sweep, plots")
@@ -220,7 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--gsm8k-max-tokens", type=int, default=256, help="GSM8K: generated tokens at most (default 256)")
     eval_parser.add_argument("--gsm8k-batch", type=int, default=8, help="GSM8K: requests generated together (default 8)")
     eval_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    eval_parser.add_argument("--output", default=None, help=f"JSON file (default {EVAL_OUTPUT}); an existing one is resumed")
+    eval_parser.add_argument(
+        "--output",
+        default=None,
+        help=f"JSON file (default {EVAL_OUTPUT} in the working directory); an existing one is resumed where its settings match",
+    )
     eval_parser.add_argument("--plots", default=None, help="folder of the PNG plots (default: the JSON's folder)")
     eval_parser.add_argument("--quick", action="store_true", help="CI-sized run: small context, few tokens, four methods")
     plan_parser = commands.add_parser("plan", help="KV-cache bytes, peak memory, largest batch and longest generation")

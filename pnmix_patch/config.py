@@ -108,6 +108,8 @@ class PNMixConfig:
             value = getattr(self, field)
             if not _positive_int(value) or value not in SUPPORTED_BITS:
                 fail(field, value, f"one of {SUPPORTED_BITS}")
+        if self.key_bits_low > self.key_bits_high:
+            fail("key_bits_low", self.key_bits_low, f"at most key_bits_high={self.key_bits_high} (the selected pairs get the higher width)")
         if not _positive_int(self.key_group_size) or self.key_group_size % 32:
             fail("key_group_size", self.key_group_size, "a positive multiple of 32 (bits pack into 32-bit words)")
         if not _positive_int(self.value_group_size):

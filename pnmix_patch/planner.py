@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 
 import torch
@@ -88,12 +89,18 @@ def model_config(model) -> object:
         from .eval.models import smollm2_path
 
         model = str(smollm2_path())
+    known = f"a shape ({', '.join(MODEL_SHAPES)}), 'smollm2', a .gguf file, a model folder or a hub id (org/name)"
     if model.endswith(".gguf"):
-        import os
-
+        if not os.path.isfile(model):
+            raise ValueError(f"model={model!r}: no such .gguf file; allowed {known}")
         folder, file = os.path.split(os.path.abspath(model))
         return AutoConfig.from_pretrained(folder, gguf_file=file)
-    return AutoConfig.from_pretrained(model)
+    if not os.path.isdir(model) and "/" not in model:
+        raise ValueError(f"model={model!r} is unknown: allowed {known}")
+    try:
+        return AutoConfig.from_pretrained(model)
+    except OSError as error:
+        raise ValueError(f"model={model!r}: no config found ({error.__class__.__name__}); allowed {known}") from None
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -264,11 +271,32 @@ def format_plan(plan: dict) -> str:
         if "budget_bytes" in plan:
             line += f"  {entry['largest_batch']:13d}  {entry['longest_generation']:18d}"
         lines.append(line)
+    lines += _unfit_reasons(plan)
     lines.append(
         f"cache compression: {plan['cache_ratio']:.2f}x"
         + (f"; budget {plan['budget_bytes'] / gib:.2f} GiB" if "budget_bytes" in plan else "")
     )
     return "\n".join(lines)
+
+
+def _unfit_reasons(plan: dict) -> list[str]:
+    """Why a budgeted plan found no batch or no generation that fits, one line each."""
+    if "budget_bytes" not in plan:
+        return []
+    gib, budget, reasons = 2**30, plan["budget_bytes"], []
+    for label in ("bf16", plan["preset"]):
+        entry = plan[label]
+        if plan["weight_bytes"] >= budget:
+            reasons.append(f"{label}: the weights alone ({plan['weight_bytes'] / gib:.2f} GiB) exceed the budget")
+            continue
+        if entry["largest_batch"] == 0:
+            reasons.append(
+                f"{label}: not even batch 1 fits {plan['prompt']} + {plan['generated']} tokens in the budget: "
+                "shorten the generation or raise the budget"
+            )
+        if entry["longest_generation"] == 0:
+            reasons.append(f"{label}: batch {plan['batch']} cannot generate a token after the prompt in the budget: lower the batch")
+    return reasons
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -266,3 +266,19 @@ def test_unsupported_models_and_configs_are_named():
         patch_model(tiny_model("llama").double())
     with pytest.raises(ValueError, match="config='pnmix-9'"):
         patch_model(tiny_model("llama"), "pnmix-9")
+
+
+def test_patch_model_refuses_what_is_not_a_transformers_model():
+    with pytest.raises(TypeError, match="needs a transformers model.*got Linear"):
+        patch_model(torch.nn.Linear(4, 4))
+
+
+def test_output_attentions_is_refused_not_silently_empty():
+    """Unpatched (eager attention), ``output_attentions=True`` returns the weights; patched, PN-Mix cannot, so it says so."""
+    model = tiny_model("llama", attn_implementation="eager")
+    ids = torch.randint(3, 96, (1, 8))
+    assert model(ids, output_attentions=True).attentions[0] is not None
+    patch_model(model)
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        model(ids, output_attentions=True)
+    assert model(ids).logits.shape == (1, 8, 96)  # the default stays allowed

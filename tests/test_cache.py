@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import output_cache, tiny_model
 
 from pnmix_patch import PNMixCache, PNMixConfig, new_cache, patch_model
 from pnmix_patch.cache import PNMixLayer
@@ -172,12 +172,20 @@ def test_exceeding_max_cache_len_is_a_clear_error():
         layer.attend(query[:, :, :1], key[:, :, :1], value[:, :, :1], None, 0.2)
 
 
-def test_generation_beyond_model_max_length_is_a_clear_error():
+def test_the_default_cache_grows_past_max_position_embeddings_like_the_unpatched_model():
+    """``generate`` past ``max_position_embeddings`` carries on as the unpatched model does: the default
+    dynamic cache has no length limit. The ``fp16`` preset (same cache and attention, nothing quantized)
+    gives the unpatched model's greedy tokens."""
     model = tiny_model("llama", max_position_embeddings=64)
-    patch_model(model)
     ids = torch.randint(3, 96, (1, 60))
-    with pytest.raises(ValueError, match="max_cache_len=64"):
-        model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    settings = dict(max_new_tokens=200, min_new_tokens=200, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **settings)
+    patch_model(model, "fp16")
+    assert torch.equal(model.generate(ids, **settings), expected)
+    patch_model(model, "pnmix-1")  # quantized: groups keep being flushed past the 64 positions
+    output = model.generate(ids, **settings, return_dict_in_generate=True)
+    assert output.sequences.shape[1] == 260
+    assert output_cache(output).layers[0].num_groups.max() >= 1
 
 
 @pytest.mark.parametrize(

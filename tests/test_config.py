@@ -259,3 +259,8 @@ def test_nominal_key_bits_kitty():
     # 16 of 64 channels at 4 bits, 48 at 2 bits, fp16 scale+zero per 128 tokens: 2.5 + 0.25
     assert PRESETS["kitty"].nominal_key_bits(64) == pytest.approx(2.75, abs=1e-12)
     assert PRESETS["kitty"].nominal_key_bits(128) == pytest.approx(2.75, abs=1e-12)
+
+
+def test_low_key_bits_above_high_key_bits_are_refused():
+    with pytest.raises(ValueError, match=r"key_bits_low=3 is invalid: allowed at most key_bits_high=1"):
+        PNMixConfig(key_bits_low=3, key_bits_high=1)

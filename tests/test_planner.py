@@ -6,7 +6,7 @@ from conftest import CACHE_KWARG, tiny_model
 from transformers import StaticCache
 
 from pnmix_patch import new_cache, patch_model
-from pnmix_patch.planner import MODEL_SHAPES, CapacityPlanner, format_plan, parse_bytes
+from pnmix_patch.planner import MODEL_SHAPES, CapacityPlanner, format_plan, model_config, parse_bytes
 
 
 @pytest.fixture(scope="module")
@@ -80,3 +80,18 @@ def test_command_line(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--model", "qwen3-8b", "--batch", "0"])
     assert "--batch=0 is invalid: allowed an integer >= 1" in capsys.readouterr().err
+
+
+def test_an_unknown_model_name_lists_the_known_ones_without_asking_a_hub():
+    with pytest.raises(ValueError, match=r"model='qwen3-9b' is unknown: allowed a shape \(qwen3-8b, llama-3.1-8b\)"):
+        model_config("qwen3-9b")
+    with pytest.raises(ValueError, match="no such .gguf file"):
+        model_config("missing.gguf")
+
+
+def test_a_budget_that_fits_nothing_says_why():
+    planner = CapacityPlanner("qwen3-8b")
+    text = format_plan(planner.plan("pnmix-1", 1, 141, 8192, parse_bytes("1GiB")))
+    assert "bf16: the weights alone (15.26 GiB) exceed the budget" in text
+    text = format_plan(planner.plan("pnmix-1", 64, 141, 100_000, parse_bytes("17GiB")))
+    assert "pnmix-1: not even batch 1 fits 141 + 100000 tokens" in text and "batch 64 cannot generate a token" in text

@@ -50,7 +50,13 @@ def test_pipeline_and_left_padded_batch_on_the_real_model(smollm2):
         unpatch_model(model)
 
 
-def test_demo_command_runs(capsys):
-    assert main(["demo", "--tokens", "6", "--dtype", "float32"]) == 0
+def test_demo_command_reports_only_what_was_measured(capsys):
+    """A short answer is never quantized: no ratio or bits are printed for it (they would be NaN, or a
+    ratio below 1 from the preallocated buffers). The ``fp16`` preset agrees with the unquantized model
+    on every token: agreement is counted only along the answer the model generated freely."""
+    assert main(["demo", "--tokens", "6", "--dtype", "float32", "--preset", "kivi-2"]) == 0
     printed = capsys.readouterr().out
-    assert "compression ratio" in printed and "top-1 agreement" in printed
+    assert "nothing was quantized" in printed and "compression ratio" not in printed and "nan" not in printed
+    assert "top-1 agreement" in printed
+    assert main(["demo", "--tokens", "24", "--dtype", "float32", "--preset", "fp16"]) == 0
+    assert "along its answer (24 tokens): 1.000" in capsys.readouterr().out

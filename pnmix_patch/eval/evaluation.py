@@ -733,6 +733,44 @@ QUICK = {
 ``gsm8k_local_tiny`` task (1-shot, data in ``pnmix_patch/eval/tasks``)."""
 
 
+def passkey_run_settings(seed: int, trials: int) -> dict:
+    """What a passkey section was measured with: results of other settings never share a table."""
+    return {"seed": seed, "trials": trials, "new_tokens": 8, "filler": list(PASSKEY_FILLER), "needle": PASSKEY_NEEDLE}
+
+
+def gsm8k_run_settings(task: str, limit: int, max_tokens: int, batch: int) -> dict:
+    """What a GSM8K section was measured with."""
+    return {"task": task, "limit": limit, "max_gen_toks": max_tokens, "batch_size": batch}
+
+
+def check_resumable(output: Path, results: dict, metrics: list[str], settings: dict, passkey_settings: dict, gsm8k_settings: dict) -> None:
+    """Raise ``ValueError`` if ``results`` (the content of ``output``) cannot take this run: another model,
+    or a metric to run that the file holds measured with other settings."""
+    old = results.get("settings")
+    if results and old is None:
+        raise ValueError(f"{output} is not a pnmix eval results file: pass --output to write a new one")
+    if old is None:
+        return
+    if old.get("model") != settings["model"]:
+        raise ValueError(f"{output} holds results of model {old.get('model')!r}, not {settings['model']!r}: pass --output for a new file")
+    conflicts = []
+    if "attention_kl" in metrics and results.get("attention_kl"):
+        if (old.get("context"), old.get("queries")) != (settings["context"], settings["queries"]):
+            conflicts.append(f"attention_kl at context {old.get('context')} / queries {old.get('queries')}")
+    if "long_output" in metrics and results.get("long_output") and old.get("long_tokens") != settings["long_tokens"]:
+        conflicts.append(f"long_output at {old.get('long_tokens')} tokens")
+    for section, wanted in (("passkey", passkey_settings), ("gsm8k", gsm8k_settings)):
+        held = results.get(section, {}).get("settings")
+        if section in metrics and held is not None and held != wanted:
+            differing = sorted(key for key in {*held, *wanted} if held.get(key) != wanted.get(key))
+            conflicts.append(f"{section} with " + ", ".join(f"{key}={held.get(key)!r}" for key in differing))
+    if conflicts:
+        raise ValueError(
+            f"{output} holds " + "; ".join(conflicts) + ", measured with other settings than this run's: "
+            "pass --output to write a new file (or delete this one)"
+        )
+
+
 def run_evaluation(
     model,
     tokenizer,
@@ -758,11 +796,12 @@ def run_evaluation(
     """Run ``metrics`` for ``methods`` and write the JSON results to ``output`` after every method
     (passkey: after every batch of trials).
 
-    An existing ``output`` is resumed: methods (passkey: trials) already measured with the same
-    settings are skipped; a metric run with changed settings is measured again (its old results
-    are dropped); metrics not run keep their results and settings. Writes merge with the file
-    under a lock, so processes running different metrics, methods or passkey lengths on the
-    same model can share one file.
+    An existing ``output`` is resumed only where its settings match: methods (passkey: trials) already
+    measured are skipped, and a different prompt count adds or re-aggregates prompts. A file of another
+    model, or a metric measured there with other settings, is refused with a ``ValueError`` that names
+    them (:func:`check_resumable`): one table never mixes runs. Metrics not run keep their results and
+    settings. Writes merge with the file under a lock, so processes running different metrics, methods
+    or passkey lengths on the same model can share one file.
     """
     for metric in metrics:
         if metric not in METRICS:
@@ -771,37 +810,21 @@ def run_evaluation(
         raise ValueError(f"prompts={prompts} is invalid: allowed 1 .. {len(PROMPTS)}")
     methods = resolve_methods(methods)
     settings = {"model": model_name, "context": context, "queries": queries, "long_tokens": long_tokens, "prompts": prompts}
-    passkey_settings = {"seed": passkey_seed, "new_tokens": 8, "filler": list(PASSKEY_FILLER), "needle": PASSKEY_NEEDLE}
-    gsm8k_settings = {"task": gsm8k_task, "limit": gsm8k_limit, "max_gen_toks": gsm8k_max_tokens, "batch_size": gsm8k_batch}
+    passkey_settings = passkey_run_settings(passkey_seed, passkey_trials)
+    gsm8k_settings = gsm8k_run_settings(gsm8k_task, gsm8k_limit, gsm8k_max_tokens, gsm8k_batch)
     output = Path(output)
-    with _file_lock(output):  # drop stale results on disk too, so that later merges cannot bring them back
+    with _file_lock(output):
         results = json.loads(output.read_text()) if output.is_file() else {}
+        check_resumable(output, results, metrics, settings, passkey_settings, gsm8k_settings)
         old = results.get("settings")
-        if old is None or old.get("model") != model_name:
-            results = {}
-        else:
-            # A metric's results are dropped only when that metric is run with other settings;
-            # a metric not run now keeps its results and its settings (e.g. a long-output run
-            # with the default --gsm8k-limit must not delete a GSM8K section measured at another N).
-            if (old.get("context"), old.get("queries")) != (context, queries):
-                if "attention_kl" in metrics:
-                    results.pop("attention_kl", None)
-                else:
-                    settings |= {"context": old.get("context"), "queries": old.get("queries")}
-            # Another prompt count keeps the references and per-prompt results (a method is
-            # completed with the prompts it lacks); other continuation lengths start again.
-            if old.get("long_tokens") != long_tokens:
-                if "long_output" in metrics:
-                    results.pop("long_output", None)
-                    results.pop("long_output_references", None)
-                else:
-                    settings |= {"long_tokens": old.get("long_tokens"), "prompts": old.get("prompts")}
-            elif "long_output" not in metrics:
-                settings["prompts"] = old.get("prompts")
+        if old is not None:  # a metric not run keeps the settings it was measured with
+            if "attention_kl" not in metrics:
+                settings |= {"context": old.get("context"), "queries": old.get("queries")}
+            if "long_output" not in metrics:
+                settings |= {"long_tokens": old.get("long_tokens"), "prompts": old.get("prompts")}
+            elif old.get("long_tokens") != long_tokens:  # no results of the old length (checked): its references go
+                results.pop("long_output_references", None)
         results["settings"] = settings
-        for section, wanted in (("passkey", passkey_settings), ("gsm8k", gsm8k_settings)):
-            if section in metrics and section in results and results[section].get("settings") != wanted:
-                del results[section]
         _write_json(output, results)
     results["environment"] = _environment()
     for reference in results.get("long_output_references", {}).values():  # files written before the field existed
@@ -1163,9 +1186,12 @@ def _save(figure, path: Path, plt) -> Path:
     return path
 
 
-def summary_table(results: dict) -> str:
-    """A markdown table of every measured method: key bits, attention KL, long-output KL and top-1."""
+def summary_table(results: dict, methods: list[str] | None = None) -> str:
+    """A markdown table of the measured methods (of ``methods`` only, if given): key bits, attention KL,
+    long-output KL and top-1; then the passkey and GSM8K tables."""
     kl, long = results.get("attention_kl", {}), results.get("long_output", {})
+    if methods is not None:
+        kl, long = ({name: record for name, record in part.items() if name in methods} for part in (kl, long))
     lines = [
         "| method | key bits (measured) | attention KL | long-output KL | long-output top-1 | long-output prompts |",
         "|---|---|---|---|---|---|",
@@ -1180,7 +1206,7 @@ def summary_table(results: dict) -> str:
         ]
         lines.append(f"| {name} | {_bits_text(bits)} | " + " | ".join(cells) + " |")
     tables = ["\n".join(lines)] if len(lines) > 2 else []
-    return "\n\n".join(tables + [table for table in (passkey_table(results), gsm8k_table(results)) if table])
+    return "\n\n".join(tables + [table for table in (passkey_table(results, methods), gsm8k_table(results, methods)) if table])
 
 
 def _bits_text(bits: float) -> str:
@@ -1198,13 +1224,15 @@ def _flips_text(flips: dict | None) -> str:
     return f"-{flips['lost']} / +{flips['gained']} (p={flips['mcnemar_p']:.2g})"
 
 
-def passkey_table(results: dict) -> str:
-    """Markdown: passkey accuracy per method and length, 95% Wilson interval, paired flips vs fp16."""
+def passkey_table(results: dict, methods: list[str] | None = None) -> str:
+    """Markdown: passkey accuracy per method (of ``methods``, if given) and length, 95% Wilson interval,
+    paired flips vs fp16."""
     lengths = results.get("passkey", {}).get("lengths", {})
     if not lengths:
         return ""
     order = sorted(lengths, key=int)
     names = list(dict.fromkeys(name for length in order for name in lengths[length].get("methods", {})))
+    names = [name for name in names if methods is None or name in methods]
     lines = [
         "| method | key bits (measured) | "
         + " | ".join(f"{length} tokens: accuracy [95% CI]" for length in order)
@@ -1221,9 +1249,11 @@ def passkey_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def gsm8k_table(results: dict) -> str:
-    """Markdown: GSM8K exact match per method and filter, 95% Wilson interval, paired flips vs fp16."""
+def gsm8k_table(results: dict, methods: list[str] | None = None) -> str:
+    """Markdown: GSM8K exact match per method (of ``methods``, if given) and filter, 95% Wilson interval,
+    paired flips vs fp16."""
     measured = results.get("gsm8k", {}).get("methods", {})
+    measured = {name: record for name, record in measured.items() if methods is None or name in methods}
     if not measured:
         return ""
     filters = list(dict.fromkeys(f for record in measured.values() for f in record["filters"]))

@@ -428,21 +428,91 @@ def test_run_evaluation_keeps_the_sections_of_metrics_it_does_not_run(tmp_path):
                 "passkey": passkey,
                 "long_output": {"kivi-2": {"mean_kl": 0.1}},
                 "long_output_references": {"a": {"ids": [1, 2, 3, 4, 5], "prompt_length": 1}},
-                "attention_kl": {"kivi-2": {"mean_kl": 0.3}},
             }
         )
     )
-    # default GSM8K limit (50), passkey seed (0), other long-output and attention sizes: none of those metrics runs
+    # default GSM8K limit (50), passkey seed (0), another long-output size: none of those metrics runs
     results = run_evaluation(None, None, "tiny", ["attention_kl"], [], output, context=300, long_tokens=64, progress=False)
     on_disk = json.loads(output.read_text())
     for data in (results, on_disk):
         assert data["gsm8k"] == gsm8k and data["passkey"] == passkey
         assert data["long_output"] == {"kivi-2": {"mean_kl": 0.1}} and "long_output_references" in data
         assert data["settings"]["long_tokens"] == 1024 and data["settings"]["context"] == 300
-        assert "attention_kl" not in data  # the metric that is run with a changed context starts again
-    results = run_evaluation(None, None, "tiny", ["gsm8k", "long_output"], [], output, long_tokens=64, progress=False)
-    assert "gsm8k" not in results and "long_output" not in results and results["passkey"] == passkey
-    assert results["settings"]["long_tokens"] == 64
+
+
+@pytest.mark.parametrize(
+    "metrics, changes, message",
+    [
+        (["attention_kl"], {"context": 300}, "attention_kl at context 2048 / queries 64"),
+        (["long_output"], {"long_tokens": 64}, "long_output at 1024 tokens"),
+        (["passkey"], {"passkey_trials": 5}, "passkey with trials=50"),
+        (["gsm8k"], {"gsm8k_limit": 5}, "gsm8k with limit=30"),
+    ],
+)
+def test_run_evaluation_refuses_to_mix_runs_of_other_settings(tmp_path, metrics, changes, message):
+    """A metric whose results in the file were measured with other settings is refused, naming them,
+    and the file is left as it was: one table never mixes runs (a 5-trial passkey run must not land
+    beside 50-trial figures)."""
+    from pnmix_patch.eval.evaluation import gsm8k_run_settings, passkey_run_settings
+
+    output = tmp_path / "eval_tiny.json"
+    content = {
+        "settings": {"model": "tiny", "context": 2048, "queries": 64, "long_tokens": 1024, "prompts": 2},
+        "attention_kl": {"kivi-2": {"mean_kl": 0.3}},
+        "long_output": {"kivi-2": {"mean_kl": 0.1}},
+        "passkey": {"settings": passkey_run_settings(0, 50), "lengths": {"1024": {}}},
+        "gsm8k": {"settings": gsm8k_run_settings("gsm8k_local_8shot", 30, 256, 8), "methods": {"fp16": {}}},
+    }
+    output.write_text(json.dumps(content))
+    arguments = dict(context=2048, long_tokens=1024, passkey_trials=50, gsm8k_limit=30) | changes
+    with pytest.raises(ValueError, match=message):
+        run_evaluation(None, None, "tiny", metrics, [], output, progress=False, **arguments)
+    assert json.loads(output.read_text()) == content
+    with pytest.raises(ValueError, match="holds results of model 'tiny', not 'other'"):
+        run_evaluation(None, None, "other", ["attention_kl"], [], output, progress=False)
+
+
+def test_eval_writes_to_the_working_directory_and_checks_the_file_before_loading(tmp_path, monkeypatch, capsys):
+    """``pnmix eval`` never writes into the repository's own results: its default file is in the working
+    directory; a file of other settings is refused before the model loads."""
+    from pnmix_patch import cli
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.EVAL_OUTPUT.format(model="smollm2") == "eval_smollm2.json"
+    (tmp_path / "eval_smollm2.json").write_text(
+        json.dumps({"settings": {"model": "smollm2", "context": 2048, "queries": 64, "long_tokens": 1024}, "attention_kl": {"x": {}}})
+    )
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    with pytest.raises(SystemExit):
+        main(["eval", "--metrics", "attention_kl", "--context", "512"])
+    assert "attention_kl at context 2048 / queries 64" in capsys.readouterr().err
+
+
+def test_eval_without_the_eval_extra_says_what_to_install(tmp_path, monkeypatch, capsys):
+    """Without lm-eval, ``--metrics gsm8k`` is refused at the start; without matplotlib the tables are
+    still printed and the plots skipped."""
+    import importlib.util
+
+    from pnmix_patch import cli
+
+    real = importlib.util.find_spec
+    missing = set()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in missing else real(name, *a))
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    missing.add("lm_eval")
+    with pytest.raises(SystemExit):
+        main(["eval", "--metrics", "gsm8k", "--output", str(tmp_path / "a.json")])
+    assert 'pip install "pnmix-patch[eval]"' in capsys.readouterr().err
+    missing.add("matplotlib")
+    monkeypatch.setattr(cli, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(
+        "pnmix_patch.eval.evaluation.run_evaluation",
+        lambda *a, **k: {"settings": {}, "attention_kl": {"kivi-2": {"mean_kl": 0.25, "key_bits": 2.25}}},
+    )
+    monkeypatch.setattr("pnmix_patch.eval.evaluation.plot_results", lambda *a, **k: pytest.fail("plotted without matplotlib"))
+    assert main(["eval", "--metrics", "attention_kl", "--methods", "kivi-2", "--output", str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    assert "matplotlib is not installed" in out and "| kivi-2 | 2.2500 | 0.25 |" in out
 
 
 def test_eval_quick_command_on_the_real_model(tmp_path, capsys):

@@ -160,3 +160,18 @@ def test_task_files_are_valid():
 
     manager = TaskManager(include_path=str(TASKS_DIR))
     assert {"gsm8k_local_8shot", TASK} <= set(manager.all_tasks)
+
+
+def test_the_results_table_has_lm_evals_column_names():
+    """lm-eval prints its results through pytablewriter; with a pytablewriter too old for its API the
+    columns came out named A, B, C, ... (constraints.txt pins one that works)."""
+    from lm_eval.utils import make_table
+
+    results = {
+        "results": {TASK: {"alias": TASK, METRIC: 0.2, "exact_match_stderr,flexible-extract": 0.1}},
+        "versions": {TASK: 3},
+        "n-shot": {TASK: 1},
+        "higher_is_better": {TASK: {"exact_match": True}},
+    }
+    header = make_table(results).splitlines()[0]
+    assert "Tasks" in header and "Metric" in header and "| A |" not in header
