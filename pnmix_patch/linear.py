@@ -3,7 +3,7 @@
 A batch-1 decode step reads every weight once, and the products' speed decides most of its time
 once the cache is small (at 32K tokens PN-Mix's step reads 0.62 GB of cache against 15.0 GB of
 Llama-3.1-8B's weights). On CUDA, ``torch.ops.pnmix.gemv`` (``kernels/gemv.py``) reads them closer
-to the memory's speed than cuBLAS does through ``F.linear`` at one token (``docs/performance.md``).
+to the memory's speed than cuBLAS does through ``F.linear`` at one token.
 This is independent of the cache: it serves a PN-Mix patched model and an unpatched one alike
 (a fair bf16 baseline too).
 
