@@ -17,7 +17,11 @@ the model's classes are untouched, and a patched model deep-copies and pickles p
    ``generate``, pipelines and hand-written loops need no change;
 3. sets ``config._attn_implementation = "pnmix"``, registered with transformers'
    attention and mask interfaces (the mask is the boolean SDPA mask: without a
-   registered mask function, left-padded batches would silently get no mask).
+   registered mask function, left-padded batches would silently get no mask);
+4. the causal LM around the decoder (the module ``generate`` is called on) gets a subclass that passes
+   for its class (:class:`PNMixGenerator`): ``generate`` refuses a static PN-Mix cache too small for the
+   prompt and ``max_new_tokens`` before any work, and its compiled decode steps on a CUDA static PN-Mix
+   cache replay one captured CUDA graph (:class:`~pnmix_patch.graphed_decode.GraphedGenerateCall`).
 
 ``unpatch_model`` gives every module its class back.
 
@@ -43,6 +47,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from .attention import PNMixAttention
 from .cache import PNMixCache
 from .config import PNMixConfig, resolve_config
+from .graphed_decode import GraphedGenerateCall
 from .linear import GemvGatedMLP, GemvLinear
 from .mixins import RuntimeMixin, mixed_class, set_classes, unmixed_class
 from .patches import PATCHES, get_patch
@@ -63,9 +68,11 @@ class PatchState:
     adapter: ArchitecturePatch
     attn_implementation: str  # the model's own, restored by unpatch_model
     static_cache: PNMixStaticCache | None = None  # reused by generate(cache_implementation="static")
+    generate_call: GraphedGenerateCall | None = None  # what get_compiled_call hands generate
 
     def __getstate__(self):
-        return {**vars(self), "static_cache": None}  # a copy or a pickle of the model leaves the cache behind
+        # A copy or a pickle of the model leaves the cache and the compiled call behind.
+        return {**vars(self), "static_cache": None, "generate_call": None}
 
 
 class PNMixDecoder(RuntimeMixin):
@@ -119,6 +126,64 @@ class PNMixDecoder(RuntimeMixin):
         return args
 
 
+class PNMixGenerator(RuntimeMixin):
+    """Mixin of a patched causal LM (``LlamaForCausalLM``; point 4 of the module docstring). Each class made
+    with it passes for the model's class (see :class:`~pnmix_patch.mixins.RuntimeMixin`)."""
+
+    prefix = ""
+
+    def generate(self, *args, **kwargs):
+        """The model's own ``generate``, after checking that a :class:`~pnmix_patch.PNMixStaticCache` passed as
+        the cache holds the prompt and every generated token (a compiled step cannot raise past its end).
+
+        Raises:
+            ValueError: the static cache's ``max_cache_len`` is below the positions this call feeds it."""
+        _check_static_cache_room(self, args, kwargs)
+        return super().generate(*args, **kwargs)
+
+    def get_compiled_call(self, compile_config):
+        """transformers' compiled call, wrapped so that decode steps on a CUDA static PN-Mix cache replay one
+        captured CUDA graph (:class:`~pnmix_patch.graphed_decode.GraphedGenerateCall`). A compile config of
+        another mode than ``"reduce-overhead"`` (no CUDA graphs wanted) gets transformers' call alone."""
+        fallback = super().get_compiled_call(compile_config)
+        if getattr(compile_config, "mode", "reduce-overhead") != "reduce-overhead":
+            return fallback
+        state = patch_state(self)
+        if state.generate_call is None or state.generate_call.fallback is not fallback:
+            state.generate_call = GraphedGenerateCall(self, fallback)
+        return state.generate_call
+
+
+def _check_static_cache_room(model, args: tuple, kwargs: dict) -> None:
+    """Raise before ``generate`` starts when its cache is a static PN-Mix cache of too few positions: the
+    prompt and every generated token but the last are fed to the model (transformers' own rule for
+    ``max_new_tokens`` and ``max_length``, the former first)."""
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not isinstance(cache, PNMixStaticCache):
+        return
+    prompt = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    if prompt is None:
+        prompt = kwargs.get("inputs_embeds")
+    if not isinstance(prompt, torch.Tensor):
+        return  # transformers reports a missing prompt itself
+    generation_config = kwargs.get("generation_config") or model.generation_config
+    max_new_tokens = kwargs.get("max_new_tokens", generation_config.max_new_tokens)
+    prompt_length = prompt.shape[1]
+    if max_new_tokens is not None:
+        total, asked = prompt_length + max_new_tokens, f"a prompt of {prompt_length} tokens and max_new_tokens={max_new_tokens}"
+    else:
+        total = kwargs.get("max_length", generation_config.max_length)
+        asked = f"max_length={total} (prompt of {prompt_length} tokens)"
+    needed = total - 1  # the last generated token is never fed back
+    limit = cache.layers[0].max_cache_len
+    if needed > limit:
+        raise ValueError(
+            f"the PNMixStaticCache holds max_cache_len={limit} positions; this generate call feeds it up to {needed} "
+            f"({asked}): build it with max_cache_len >= {needed}, e.g. "
+            f"pnmix_patch.new_cache(model, max_cache_len={needed}, static=True), or lower max_new_tokens"
+        )
+
+
 def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix-1") -> torch.nn.Module:
     """Rewrite ``model``'s attention into PN-Mix attention, in place.
 
@@ -161,8 +226,10 @@ def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix
     if not attentions:
         raise ValueError(f"found no {adapter.attention_class} module in {type(model).__name__}")
     decoder = _decoder_of(model)
+    generator = [(model, mixed_class(PNMixGenerator, type(model)))] if model is not decoder and hasattr(model, "generate") else []
     set_classes(
         [(decoder, mixed_class(PNMixDecoder, type(decoder)))]
+        + generator
         + [(attention, mixed_class(PNMixAttention, type(attention))) for attention in attentions]
     )
     for attention in attentions:
@@ -186,7 +253,9 @@ def unpatch_model(model: torch.nn.Module) -> torch.nn.Module:
         return model
     decoder = _decoder_of(model)
     attentions = [(m, own) for m in model.modules() if (own := unmixed_class(type(m), PNMixAttention)) is not None]
-    set_classes([(decoder, unmixed_class(type(decoder), PNMixDecoder)), *attentions])
+    own = unmixed_class(type(model), PNMixGenerator)
+    generator = [(model, own)] if own is not None else []
+    set_classes([(decoder, unmixed_class(type(decoder), PNMixDecoder)), *generator, *attentions])
     for attention, _ in attentions:
         del attention._pnmix_adapter, attention._pnmix_rotary
     del decoder._pnmix_state

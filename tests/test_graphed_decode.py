@@ -6,9 +6,10 @@ from conftest import CACHE_KWARG, tiny_model
 from test_cache import SMALL
 from test_static_cache import greedy
 from torch._dynamo.utils import counters
-from transformers import StaticCache
+from transformers import CompileConfig, StaticCache
 
-from pnmix_patch import PRESETS, GraphedDecodeStep, new_cache, patch_gemv, patch_model
+from pnmix_patch import PRESETS, GraphedDecodeStep, graphed_decode, new_cache, patch_gemv, patch_model
+from pnmix_patch.api import patch_state
 from pnmix_patch.kernels import common
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")
@@ -166,3 +167,77 @@ def test_graphs_with_programmatic_dependent_launch_give_the_floats_of_graphs_wit
         assert common.PDL == library_default  # the step's switch holds only around its own launches
         logits[step.pdl] = torch.cat(steps, 1)
     assert torch.equal(logits[True], logits[False])
+
+
+def left_padded_prompt():
+    prompt = torch.randint(1, 96, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(prompt)
+    mask[1, :7] = 0
+    return prompt, mask
+
+
+def test_generate_decode_steps_replay_one_graphed_step(monkeypatch):
+    """``generate``'s compiled call (``mode="reduce-overhead"``) sends every decode step on a static PN-Mix
+    cache through one GraphedDecodeStep (its capture stubbed on CPU: the compiled step runs instead), fed
+    generate's positions: a left-padded batch gives eager generate's tokens. The step is reused by the next
+    generate of the same batch and built again for another batch size."""
+    monkeypatch.setattr(graphed_decode, "_captures_on", lambda device: True)
+    calls = []
+    own_call = GraphedDecodeStep.__call__
+    monkeypatch.setattr(GraphedDecodeStep, "__call__", lambda self, *args: calls.append(self) or own_call(self, *args))
+    model = patch_model(tiny_model("llama"), SMALL)
+    model.generation_config.pad_token_id = 0
+    prompt, mask = left_padded_prompt()
+    settings = dict(max_new_tokens=40, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(prompt, attention_mask=mask, **settings)
+    compile_config = CompileConfig()  # mode="reduce-overhead": CUDA graphs wanted
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    for batch in (2, 2, 1):
+        output = model.generate(
+            prompt[:batch], attention_mask=mask[:batch], cache_implementation="static", compile_config=compile_config, **settings
+        )
+        assert torch.equal(output.sequences, expected.sequences[:batch])
+        for logits, expected_logits in zip(output.logits, expected.logits):  # the padded row's positions count
+            torch.testing.assert_close(logits, expected_logits[:batch], rtol=0, atol=1e-4)
+    assert len(calls) == 3 * 39  # every decode step; the prefill runs eagerly
+    assert len(set(calls[:78])) == 1 and calls[78] is not calls[0]
+    assert patch_state(model).generate_call.failure is None
+
+
+def test_generate_call_falls_back_with_a_warning_where_capture_fails(monkeypatch):
+    monkeypatch.setattr(graphed_decode, "_captures_on", lambda device: True)
+
+    def fail(self, *args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(GraphedDecodeStep, "__call__", fail)
+    model = patch_model(tiny_model("llama"), SMALL)
+    cache = new_cache(model, 64, static=True)
+    with torch.no_grad():
+        model(input_ids=torch.ones(2, 8, dtype=torch.long), **{CACHE_KWARG: cache})
+    fallback_inputs = []
+    call = graphed_decode.GraphedGenerateCall(model, lambda **inputs: fallback_inputs.append(inputs) or "fallback")
+    inputs = {"input_ids": torch.ones(2, 1, dtype=torch.long), CACHE_KWARG: cache, "use_cache": True}
+    with pytest.warns(RuntimeWarning, match="could not be captured as a CUDA graph .RuntimeError: operation not permitted"):
+        assert call(**inputs) == "fallback"
+    assert call(**inputs) == "fallback" and len(fallback_inputs) == 2  # no second try
+    other = graphed_decode.GraphedGenerateCall(model, lambda **inputs: "fallback")
+    for unserved in ({"inputs_embeds": torch.ones(2, 1, 64)}, {"output_attentions": True}, {"logits_to_keep": 5}):
+        assert other(**inputs, **unserved) == "fallback" and other.failure is None
+
+
+def test_generate_refuses_a_too_small_static_cache_before_any_work():
+    """A static PN-Mix cache passed to generate must hold the prompt and every generated token but the last."""
+    model = patch_model(tiny_model("llama"), SMALL)
+    model.generation_config.pad_token_id = 0
+    prompt, mask = left_padded_prompt()
+    small = new_cache(model, 40 + 25 - 2, static=True)
+    with pytest.raises(ValueError, match=r"max_cache_len=63 positions; this generate call feeds it up to 64 .a prompt of 40 tokens"):
+        model.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, **{CACHE_KWARG: small})
+    assert not small.layers[0].is_initialized  # refused before the prefill
+    with pytest.raises(ValueError, match=r"max_cache_len=63 positions; this generate call feeds it up to 69 .max_length=70"):
+        model.generate(prompt, attention_mask=mask, max_length=70, do_sample=False, **{CACHE_KWARG: small})
+    enough = new_cache(model, 40 + 25 - 1, static=True)
+    output = model.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, **{CACHE_KWARG: enough})
+    assert torch.equal(output, model.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False))
