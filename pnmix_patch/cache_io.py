@@ -10,7 +10,8 @@ other machines:
     save_cache(cache, "doc.safetensors", model=model, prompt_token_ids=prompt_ids)
     ...
     cache = load_cache("doc.safetensors", model)            # a patched model of the same weights and config
-    model.generate(**continuation_inputs(prompt_ids, [question_ids]), past_key_values=cache, ...)
+    inputs = continuation_inputs(prompt_ids, [question_ids])
+    model.generate(**inputs, **{cache_argument(model): cache}, max_new_tokens=...)
 
 What a file holds
 -----------------
@@ -675,8 +676,12 @@ def prefill(
     cache = new_cache(model) if cache is None else cache
     decoder_layers = _decoder_of(model).layers
     bar = tqdm(total=len(decoder_layers), desc=f"prefill {input_ids.shape[1]} tokens", unit="layer", disable=not progress)
-    hooks = [layer.register_forward_hook(lambda *_: bar.update(1)) for layer in decoder_layers]
-    argument = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def advance(*_) -> None:  # a forward hook returning a value would replace the layer's output
+        bar.update(1)
+
+    hooks = [layer.register_forward_hook(advance) for layer in decoder_layers]
+    argument = cache_argument(model)
     try:
         with torch.no_grad():
             model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=True, **{argument: cache})
@@ -685,6 +690,12 @@ def prefill(
             hook.remove()
         bar.close()
     return cache
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name under which ``model.forward`` and ``model.generate`` take a cache: ``"cache"`` from
+    transformers 5.24, ``"past_key_values"`` before (still accepted there, with a deprecation warning)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def continuation_inputs(prompt_token_ids: torch.Tensor, continuations: list, pad_token_id: int = 0, device=None) -> dict[str, torch.Tensor]:
