@@ -69,6 +69,7 @@ import inspect
 import json
 import math
 import os
+import weakref
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -189,7 +190,13 @@ def _rope_parameters(config) -> dict:
     parameters = getattr(config, "rope_parameters", None)
     if not parameters:
         parameters = {"rope_theta": getattr(config, "rope_theta", None), "rope_scaling": getattr(config, "rope_scaling", None)}
+    parameters = {key: value for key, value in dict(parameters).items() if value is not None}  # unset fields vary by version
     return json.loads(json.dumps(parameters, sort_keys=True, default=str))
+
+
+_DIGESTS: dict[int, tuple] = {}
+"""``id(k_proj weight) -> (weakref to it, its (address, version) pairs, digest)``: a model is hashed again
+only after its weights change (a tensor hashes by identity but compares by value, so no WeakKeyDictionary)."""
 
 
 def _weights_digest(model) -> str | None:
@@ -199,9 +206,16 @@ def _weights_digest(model) -> str | None:
             tensors = [module.weight] + ([module.bias] if getattr(module, "bias", None) is not None else [])
             if any(t.device.type == "meta" for t in tensors):
                 return None
+            versions = tuple((t.data_ptr(), t._version) for t in tensors)
+            known = _DIGESTS.get(id(module.weight))
+            if known is not None and known[0]() is module.weight and known[1] == versions:
+                return known[2]
             digest = hashlib.sha256()
             for tensor in tensors:
                 digest.update(_tensor_bytes(tensor.detach()))
+            for key in [key for key, entry in _DIGESTS.items() if entry[0]() is None]:
+                del _DIGESTS[key]
+            _DIGESTS[id(module.weight)] = (weakref.ref(module.weight), versions, digest.hexdigest())
             return digest.hexdigest()
     return None
 
