@@ -331,7 +331,7 @@ def _used_state(layer) -> dict[str, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------- reading the header
-def _open(path) -> tuple:
+def _open(path):
     """``safe_open`` of ``path`` on the CPU, with every failure as a :class:`CacheFileError`."""
     path = Path(path)
     if not path.is_file():
@@ -369,7 +369,9 @@ def cache_info(path: str | os.PathLike) -> CacheFileInfo:
             fields = json.loads(metadata["pnmix_config"])
             pnmix_config = PNMixConfig(**fields)
             model = json.loads(metadata["model"])
+            DTYPES[model["dtype"]], model["num_key_value_heads"], model["head_dim"]  # noqa: B018 (present and known)
             layout = json.loads(metadata["cache"])
+            kind, batch_size, seen_tokens = layout["kind"], int(layout["batch_size"]), [int(n) for n in layout["seen_tokens"]]
             json.loads(metadata["checksums"])
             extra = json.loads(metadata.get("extra", "{}"))
         except (KeyError, TypeError, ValueError) as error:
@@ -390,9 +392,9 @@ def cache_info(path: str | os.PathLike) -> CacheFileInfo:
         format_version=FORMAT_VERSION,
         pnmix_config=pnmix_config,
         model=model,
-        kind=layout["kind"],
-        batch_size=layout["batch_size"],
-        seen_tokens=layout["seen_tokens"],
+        kind=kind,
+        batch_size=batch_size,
+        seen_tokens=seen_tokens,
         prompt_token_ids=prompt,
         extra=extra,
         parts=parts,

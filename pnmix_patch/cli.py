@@ -1,4 +1,4 @@
-"""Command line: ``pnmix demo``, ``pnmix eval`` and ``pnmix plan`` (also ``python -m pnmix_patch ...``).
+"""Command line: ``pnmix demo``, ``pnmix eval``, ``pnmix plan``, ``pnmix cache save|info`` and ``pnmix generate`` (also ``python -m pnmix_patch ...``).
 
 ``demo`` generates an answer (greedy, up to ``--tokens``, ending where the model ends it) with the
 unquantized cache and with PN-Mix on the same model, prints both texts, the KV-cache bytes each
