@@ -25,6 +25,7 @@
      median of ``--repeats`` (a warm-up cycle at 512 tokens runs first: kernels compile there);
    - ``speedup``: ``prefill_s / (load_s + first_step_s)``.
 
+A failed (or raising) check is recorded (``checks``, ``checks_passed``) and the timing still runs.
 Writes ``bench_cache_io_<model>.json`` under ``--out`` (default ``benchmarks/results``) after every
 context, ``"complete": false`` until the end. The cache files go to a temporary folder and are deleted.
 """
@@ -40,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -108,11 +110,13 @@ def check(device, dtype, folder: Path) -> dict:
             loaded = load_cache(path, fresh, static=True, max_cache_len=460)
             results[f"{preset} static"] = torch.equal(greedy(fresh.forward, fresh, loaded, first, 140), expected)
             if device.type == "cuda" and preset == PRESET:
-                loaded = load_cache(path, fresh, cache=loaded)  # into the same storage again
-                step = GraphedDecodeStep(fresh, loaded)
-                results[f"{preset} static graphed"] = torch.equal(
-                    greedy(lambda **kw: _logits(step, kw), fresh, loaded, first, 140), expected
-                )
+                try:
+                    loaded = load_cache(path, fresh, cache=loaded)  # into the same storage again
+                    step = GraphedDecodeStep(fresh, loaded)
+                    graphed = greedy(lambda **kw: _logits(step, kw), fresh, loaded, first, 140)
+                    results[f"{preset} static graphed"] = torch.equal(graphed, expected)
+                except Exception as error:
+                    results[f"{preset} static graphed"] = f"{type(error).__name__}: {error}"
         print(
             f"  {preset}: " + ", ".join(f"{k.split(' ', 1)[1]} {v}" for k, v in results.items() if k.startswith(preset + " ")), flush=True
         )
@@ -280,13 +284,18 @@ def main() -> int:
         folder = Path(folder)
         if not args.skip_checks:
             print("checks:", flush=True)
-            sections["checks"] = check(device, torch.float32, folder)
-            write()
+            # A failed check, or one that raises, is recorded and printed; the timing still runs, so that one
+            # device run gives both answers (read "checks_passed" before the timings).
+            try:
+                sections["checks"] = check(device, torch.float32, folder)
+            except Exception:
+                sections["checks"] = {"error": traceback.format_exc(limit=6)}
+                print(sections["checks"]["error"], flush=True)
             # The graphed step runs Inductor's code for the layers around attention, the in-memory static cache
-            # eager PyTorch: a near tie may fork their greedy tokens, so that comparison is reported, not required.
-            if not all(passed for name, passed in sections["checks"].items() if "graphed" not in name):
-                print("a check failed: no timing", flush=True)
-                return 1
+            # eager PyTorch: a near tie may fork their greedy tokens, so that comparison does not count here.
+            sections["checks_passed"] = all(passed is True for name, passed in sections["checks"].items() if "graphed" not in name)
+            print(f"checks passed: {sections['checks_passed']}", flush=True)
+            write()
         print(f"building {args.model} on {device} ...", flush=True)
         model = patch_model(build_model(args.model, device), PRESET)
         time_context(model, 512, folder, 1, device)  # warm-up: kernels compile, allocators grow
