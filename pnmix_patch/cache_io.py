@@ -32,8 +32,10 @@ and for per-group re-selection the per-group masks and query statistics), and th
 
 Only the used part of the growing dimensions is written: packed groups up to the longest sequence's
 ``num_groups``, and with the ``fp16`` preset the residual up to the longest one. A dynamic cache's
-file therefore holds the bytes of its ``memory_report()["total_bytes"]`` plus the header; a static
-cache's file leaves out its preallocated, still empty storage. A file loads into either kind.
+file therefore holds the bytes of its ``memory_report()["total_bytes"]`` plus the header, the prompt's
+ids and one int32 per sequence and layer that the report leaves out (``query_count``, read by per-group
+re-selection only); a static cache's file leaves out its preallocated, still empty storage. A file
+loads into either kind.
 
 Loading checks before it reads a tensor: a readable safetensors file (a truncated or damaged header
 raises), the format and its version, the config against the model's (:func:`~pnmix_patch.patch_model`),
@@ -449,7 +451,7 @@ def load_cache(
             whatever it held is dropped.
         prompt_token_ids: the prompt the caller expects the file to hold: ``[tokens]`` or ``[saved batch,
             tokens]``; a file without prompt ids, or with others, raises.
-        verify: check every tensor's CRC-32 (a few ms per 100 MB).
+        verify: check every tensor's CRC-32 (one pass over the bytes read).
 
     Returns:
         The loaded cache: the same tokens, selections, codes and lengths as the saved one.
