@@ -7,6 +7,7 @@ mixed precision) and values at 2 bits. See ``README.md`` and ``docs/method.md``.
 
 from .api import is_patched, new_cache, patch_gemv, patch_model, unpatch_gemv, unpatch_model
 from .cache import PNMixCache, PNMixLayer
+from .cache_io import CacheFileError, CacheFileInfo, cache_argument, cache_info, continuation_inputs, load_cache, prefill, save_cache
 from .config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from .graphed_decode import GraphedDecodeStep
 from .linear import GemvLinear
@@ -17,6 +18,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PRESETS",
+    "CacheFileError",
+    "CacheFileInfo",
     "SELECTION_CRITERIA",
     "SUPPORTED_MODEL_TYPES",
     "GemvLinear",
@@ -26,10 +29,16 @@ __all__ = [
     "PNMixLayer",
     "PNMixStaticCache",
     "PNMixStaticLayer",
+    "cache_argument",
+    "cache_info",
+    "continuation_inputs",
     "is_patched",
+    "load_cache",
     "new_cache",
     "patch_gemv",
     "patch_model",
+    "prefill",
+    "save_cache",
     "unpatch_gemv",
     "unpatch_model",
 ]

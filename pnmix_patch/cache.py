@@ -528,6 +528,7 @@ class PNMixCache(Cache):
     def __init__(self, config, pnmix_config: PNMixConfig | str = "pnmix-1", pairing: str = "half", max_cache_len: int | None = None):
         self.pnmix_config = resolve_config(pnmix_config)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self.model_config = text_config  # the decoder's config, read by pnmix_patch.cache_io.save_cache
         layers = [self.layer_class(self.pnmix_config, pairing, max_cache_len) for _ in range(text_config.num_hidden_layers)]
         super().__init__(layers=layers)
 

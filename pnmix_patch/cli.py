@@ -1,4 +1,4 @@
-"""Command line: ``pnmix demo``, ``pnmix eval`` and ``pnmix plan`` (also ``python -m pnmix_patch ...``).
+"""Command line: ``pnmix demo``, ``pnmix eval``, ``pnmix plan``, ``pnmix cache save|info`` and ``pnmix generate`` (also ``python -m pnmix_patch ...``).
 
 ``demo`` generates an answer (greedy, up to ``--tokens``, ending where the model ends it) with the
 unquantized cache and with PN-Mix on the same model, prints both texts, the KV-cache bytes each
@@ -13,6 +13,11 @@ writes JSON and PNG plots, and prints tables (:mod:`pnmix_patch.eval.evaluation`
 ``--quick`` is the CI-sized run.
 
 ``plan`` prints the capacity plan of :mod:`pnmix_patch.planner`.
+
+``cache save`` prefills a prompt file once and saves the PN-Mix cache (:mod:`pnmix_patch.cache_io`);
+``cache info`` prints a saved cache's config, model fingerprint, tokens and bytes per part;
+``generate --cache`` answers one or more questions from a saved cache (several ``--prompt`` share it
+as one batch).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import importlib.util
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -29,6 +35,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import planner
 from .api import new_cache, patch_model, unpatch_model
+from .cache_io import cache_argument, cache_info, continuation_inputs, load_cache, prefill, save_cache
 from .config import PRESETS
 from .eval.models import DEFAULT_MODEL, load_model
 
@@ -196,6 +203,92 @@ def evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_MARKER = "\x00pnmix-document\x00"
+
+
+def _chat_parts(tokenizer) -> tuple[str, str]:
+    """The tokenizer's chat template around one user message: the text before its content, and the
+    text after it up to the assistant's turn (a saved document ends the first, a question precedes the second)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat: the tokenizer has no chat template; save the raw text without --chat")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": CHAT_MARKER}], tokenize=False, add_generation_prompt=True)
+    head, _, tail = rendered.partition(CHAT_MARKER)
+    return head, tail
+
+
+def cache_save(args: argparse.Namespace) -> int:
+    text = Path(args.prompt_file).read_text(encoding="utf-8")
+    print(f"loading {args.model} ({args.dtype}) ...", flush=True)
+    model, tokenizer = load_model(args.model, dtype=DTYPES[args.dtype])
+    patch_model(model, args.preset)
+    extra = {"model": args.model}
+    if args.chat:
+        head, tail = _chat_parts(tokenizer)
+        text = head + text + "\n\n"
+        extra["question_suffix"] = tail
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
+    started = time.perf_counter()
+    cache = prefill(model, ids)
+    seconds = time.perf_counter() - started
+    info = save_cache(cache, args.out, model=model, prompt_token_ids=ids, extra=extra)
+    report = cache.memory_report()
+    print(f"prefilled {ids.shape[1]} tokens in {seconds:.1f} s; saved {info.file_bytes:,d} bytes to {args.out}")
+    print(f"(the cache holds {report['total_bytes']:,d} bytes; the file adds the header and the prompt's token ids)")
+    return 0
+
+
+def cache_show(args: argparse.Namespace) -> int:
+    info = cache_info(args.file)
+    config = info.pnmix_config
+    print(f"{info.path}: PN-Mix cache, format version {info.format_version}, {info.file_bytes:,d} bytes")
+    print(f"cache: {info.kind}, batch {info.batch_size}, {info.seen_tokens[0]} positions, {len(info.seen_tokens)} layers")
+    fields = ", ".join(f"{name}={value}" for name, value in vars(config).items() if name != "name")
+    print(f"config: {config.name}: {fields}")
+    print("model: " + ", ".join(f"{key}={value}" for key, value in info.model.items()))
+    if info.prompt_token_ids is None:
+        print("prompt: no token ids stored")
+    else:
+        ids = info.prompt_token_ids
+        print(f"prompt: {ids.shape[-1]} token ids per sequence, first {min(12, ids.shape[-1])}: {ids[0, :12].tolist()}")
+    for key, value in info.extra.items():
+        print(f"extra {key}: {value!r}")
+    print("bytes per part:")
+    for part, size in info.parts.items():
+        print(f"    {part:<20}{size:>14,d}")
+    print(f"    {'tensors':<20}{info.tensor_bytes:>14,d}")
+    print(f"    {'header':<20}{info.file_bytes - info.tensor_bytes:>14,d}")
+    return 0
+
+
+def generate_from_cache(args: argparse.Namespace) -> int:
+    info = cache_info(args.cache)
+    if info.prompt_token_ids is None:
+        raise ValueError(f"{args.cache} holds no prompt token ids: save it with prompt_token_ids (pnmix cache save does)")
+    if info.batch_size != 1:
+        raise ValueError(f"{args.cache} holds {info.batch_size} sequences: pnmix generate continues a cache of one")
+    model_name = args.model or info.extra.get("model", DEFAULT_MODEL)
+    dtype = info.dtype
+    print(f"loading {model_name} ({dtype}) ...", flush=True)
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    patch_model(model, info.pnmix_config)
+    suffix = info.extra.get("question_suffix", "")
+    questions = [tokenizer(question + suffix, add_special_tokens=False).input_ids for question in args.prompt]
+    cache = load_cache(args.cache, model, batch_size=len(questions))
+    inputs = continuation_inputs(info.prompt_token_ids, questions, pad_token_id=tokenizer.pad_token_id)
+    output = model.generate(
+        **inputs,
+        **{cache_argument(model): cache},
+        max_new_tokens=args.tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+        streamer=_ProgressStreamer(args.tokens, "generation"),
+    )
+    for question, row in zip(args.prompt, output[:, inputs["input_ids"].shape[1] :]):
+        print(f"\n===== {question} =====")
+        print(tokenizer.decode(row, skip_special_tokens=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pnmix", description="PN-Mix KV-cache quantization for transformers")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -256,7 +349,38 @@ def main(argv: list[str] | None = None) -> int:
     eval_parser.add_argument("--quick", action="store_true", help="CI-sized run: small context, few tokens, four methods")
     plan_parser = commands.add_parser("plan", help="KV-cache bytes, peak memory, largest batch and longest generation")
     planner.add_arguments(plan_parser)
+    cache_parser = commands.add_parser("cache", help="save a prompt's PN-Mix cache to a .safetensors file, or describe one")
+    cache_commands = cache_parser.add_subparsers(dest="cache_command", required=True)
+    save_parser = cache_commands.add_parser("save", help="prefill a prompt file once and save its cache")
+    save_parser.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2' (embedded), a .gguf file, a local folder or a hub id")
+    save_parser.add_argument("--prompt-file", required=True, help="text file: the document to prefill")
+    save_parser.add_argument("--out", required=True, help="the .safetensors file to write")
+    save_parser.add_argument("--preset", default="pnmix-1", choices=sorted(PRESETS))
+    save_parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="float32 by default: CPUs run bfloat16 slowly")
+    save_parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="put the document at the start of a user message of the tokenizer's chat template; pnmix generate closes the message after the question",
+    )
+    info_parser = cache_commands.add_parser("info", help="config, model fingerprint, tokens and bytes per part of a saved cache")
+    info_parser.add_argument("file")
+    generate_parser = commands.add_parser("generate", help="answer questions from a saved cache (pnmix cache save)")
+    generate_parser.add_argument("--cache", required=True, help="a file written by pnmix cache save")
+    generate_parser.add_argument(
+        "--prompt", action="append", required=True, help="text that continues the saved prompt; repeat for several requests sharing it"
+    )
+    generate_parser.add_argument("--model", default=None, help="the model the cache was saved with (default: the one the file names)")
+    generate_parser.add_argument("--tokens", type=int, default=256, help="most tokens to generate per request (default 256)")
     args = parser.parse_args(argv)
+    if args.command in ("cache", "generate"):
+        if args.command == "generate" and args.tokens < 1:
+            parser.error(f"--tokens={args.tokens} is invalid: allowed a positive integer")
+        try:
+            if args.command == "generate":
+                return generate_from_cache(args)
+            return cache_save(args) if args.cache_command == "save" else cache_show(args)
+        except (ValueError, FileNotFoundError) as error:
+            parser.error(str(error))
     if args.command == "plan":
         try:
             return planner.run(args)

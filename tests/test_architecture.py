@@ -20,7 +20,7 @@ LAYERS = (
     ("caches", ("pnmix_patch.cache", "pnmix_patch.static_cache")),
     ("modules", ("pnmix_patch.attention", "pnmix_patch.linear")),
     ("patches", ("pnmix_patch.patches",)),
-    ("api", ("pnmix_patch.api", "pnmix_patch.graphed_decode")),
+    ("api", ("pnmix_patch.api", "pnmix_patch.graphed_decode", "pnmix_patch.cache_io")),
     ("tools", ("pnmix_patch.eval", "pnmix_patch.planner", "pnmix_patch.cli", "pnmix_patch.__main__")),
 )
 """Bottom to top: a module may import its own layer and the layers below it."""
