@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--passkey-lengths={args.passkey_lengths} is invalid: allowed positive integers")
         try:
             return evaluate(args)
-        except ValueError as error:
+        except (ValueError, ImportError) as error:  # bad settings, or a method's missing extra
             parser.error(str(error))
     if args.tokens < 1:
         parser.error(f"--tokens={args.tokens} is invalid: allowed a positive integer")

@@ -1167,7 +1167,11 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     model = results["settings"]["model"]
     written = []
-    panels = [(metric, "mean_kl") for metric in ("attention_kl", "long_output") if _sweep_points(results, metric, "mean_kl")]
+    panels = [
+        (metric, "mean_kl")
+        for metric in ("attention_kl", "long_output")
+        if _sweep_points(results, metric, "mean_kl") or builtin_points(results, metric, "mean_kl")
+    ]
     if panels:
         figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
         for axis, (metric, field) in zip(axes[0], panels):
@@ -1176,7 +1180,7 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
             axis.set_ylabel("attention KL vs full precision" if metric == "attention_kl" else "next-token KL vs full precision")
         figure.suptitle(f"{model}: key bits vs KL (lower is better)")
         written.append(_save(figure, folder / f"{prefix}_pareto_kl.png", plt))
-    if _sweep_points(results, "long_output", "top1_agreement"):
+    if _sweep_points(results, "long_output", "top1_agreement") or builtin_points(results, "long_output", "top1_agreement"):
         figure, axis = plt.subplots(figsize=(6, 4.2))
         _plot_sweep(axis, results, "long_output", "top1_agreement")
         axis.set_ylabel("top-1 agreement with full precision")
@@ -1239,13 +1243,14 @@ PRESET_OF_LINE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
 
 
 def _sweep_names(method: str) -> list[str]:
-    return [f"sweep-{method}-{rate}" for rate in SWEEP_RATES] + [PRESET_OF_LINE[method]]
+    return [f"sweep-{method}-{rate}" for rate in sweep_rates(method)] + [PRESET_OF_LINE[method]]
 
 
 def common_prompts(results: dict) -> list[str]:
-    """The long-output prompts measured for every sweep point and preset drawn (in prompt order)."""
+    """The long-output prompts measured for every sweep point, preset and built-in cache drawn (in prompt order)."""
     measured = results.get("long_output", {})
     drawn = [measured[name] for method in SWEEP_METHODS for name in _sweep_names(method) if name in measured]
+    drawn += [measured[name] for name in HF_METHODS if name in measured]
     return [name for name in PROMPTS if drawn and all(name in record.get("per_prompt", {}) for record in drawn)]
 
 
@@ -1277,9 +1282,31 @@ def _sweep_points(results: dict, metric: str, field: str) -> dict:
     return points
 
 
+def builtin_points(results: dict, metric: str, field: str) -> dict:
+    """``{method: (key bits, value)}`` of transformers' quantized caches measured for ``metric``
+    (long outputs: over :func:`common_prompts`, as the sweep's points)."""
+    measured = results.get(metric, {})
+    prompts = common_prompts(results) if metric == "long_output" else None
+    points = {}
+    for name in HF_METHODS:
+        record = measured.get(name)
+        if record is None or field not in record:
+            continue
+        if prompts is not None and "per_prompt" in record:
+            if not prompts or not all(prompt in record["per_prompt"] for prompt in prompts):
+                continue
+            record = aggregate_prompts({prompt: record["per_prompt"][prompt] for prompt in prompts})
+        points[name] = (record["key_bits"], record[field])
+    return points
+
+
 def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     for method, line in _sweep_points(results, metric, field).items():
         axis.plot([bits for bits, _ in line], [value for _, value in line], marker="o", label=SWEEP_LABELS[method])
+    for index, (name, (bits, value)) in enumerate(builtin_points(results, metric, field).items()):
+        axis.scatter(
+            [bits], [value], marker="s^vDP"[index % 5], s=50, color=f"C{index + 4}", label=f"transformers QuantizedCache: {name}", zorder=3
+        )
     axis.set_xlabel("key bits per element (measured from storage)")
     prompts = len(common_prompts(results)) if metric == "long_output" else 0
     axis.set_title(metric.replace("_", " ") + (f" ({prompts} prompts)" if prompts else ""))

@@ -75,7 +75,7 @@ class HFQuantizedMethod:
 
     def prefill_chunks(self, tokens: int, batch: int, kv_heads: int, head_dim: int) -> list[int]:
         """How to prefill ``tokens`` prompt tokens so that this cache can pack them: ``[tokens]``, or for
-        HQQ along axis 1 the longest prefix it can pack, then the rest (1 to 3 tokens) as a second chunk.
+        HQQ along axis 1 the longest prefix it can pack, then the few tokens left as a second chunk.
 
         HQQ's ``pack_2bit_u8`` (``pack_4bit_u8``) splits the rows of quantization groups into 4 (2)
         equal parts and raises a ``RuntimeError`` when ``batch * kv_heads * tokens * head_dim /
