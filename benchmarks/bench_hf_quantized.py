@@ -27,8 +27,8 @@ times, at more contexts, a few steps around one re-quantization (batch 1).
 Memory: ``cache_bytes`` read from the tensors each cache holds (``quantized_cache_memory`` for the
 quantized cache, ``memory_report`` for PN-Mix, the key and value buffers for bf16) and
 ``peak_over_weights_bytes``: the peak allocated during the timed steps minus what was allocated
-before the cache was built (the model), so it includes what a step allocates on top of the cache
-(the dequantized copy of the quantized cache).
+before the row's cache was built (the weights, ``allocated_before_row_bytes``), so it includes what a
+step allocates on top of the cache (the dequantized copy of the quantized cache).
 
 Checks first (a tiny Qwen3 on the GPU): each quantized cache against a ``DynamicCache`` (top-1
 agreement of 120 teacher-forced steps, the cache's length), its bits per element in bf16 read from
@@ -42,7 +42,7 @@ dequantizes through a C++/CUDA extension that it compiles on first use (needs ``
 ``ninja``); where it cannot (no CUDA compiler), the script registers quanto's own PyTorch
 implementation of the op (``optimum.quanto.library.unpack``) for CUDA, and the JSON says which ran.
 
-Writes ``bench_hf_quantized.json`` under ``--out`` (default ``benchmarks/results``; ``$OUT`` if set)
+Writes ``bench_hf_quantized[_TAG].json`` under ``--out`` (default ``benchmarks/results``; ``$OUT`` if set)
 after every row.
 """
 
@@ -225,9 +225,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--growth", nargs="*", type=int, default=list(GROWTH_CONTEXTS), help="contexts of the growth rows")
     parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--tag", default="", help="suffix of the JSON file name (runs split over several calls)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    write = report_writer(args.out, "bench_hf_quantized.json", "benchmarks/bench_hf_quantized.py")
+    write = report_writer(args.out, f"bench_hf_quantized{'_' + args.tag if args.tag else ''}.json", "benchmarks/bench_hf_quantized.py")
     report = {"backends": BACKENDS, "quanto_unpack": quanto_unpack_path(), "model": "qwen3-8b", "rows": [], "growth": []}
     import hqq
     import optimum.quanto
@@ -250,9 +251,9 @@ def main() -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         (timed,) = time_steps([(forward, model, cache)], name, warmup=warmup, steps=steps, batch=batch)
-        peak = torch.cuda.max_memory_allocated() - weights
+        peak = torch.cuda.max_memory_allocated() - before
         entry = {"variant": variant, "batch": batch, "context": context, **summarize(timed["ms"], cycle)}
-        entry |= {"cache_bytes": stored, "peak_over_weights_bytes": peak, "ms_all": timed["ms"]}
+        entry |= {"cache_bytes": stored, "peak_over_weights_bytes": peak, "allocated_before_row_bytes": before, "ms_all": timed["ms"]}
         print(f"  {variant:14s} batch {batch} T={context:6d}: {entry['ms_per_token']:8.3f} ms/token, cache {stored / 2**30:.3f} GiB, "
               f"peak over weights {peak / 2**30:.3f} GiB", flush=True)  # fmt: skip
         report["rows"].append(entry)
@@ -267,6 +268,7 @@ def main() -> None:
             batch, context = map(int, shape.split("x"))
             for variant in args.variants:
                 fresh()
+                before = torch.cuda.memory_allocated()  # the model (and anything a previous row left)
                 try:
                     if variant == "bf16-eager":
                         cache = DynamicCache(config=model.config)
