@@ -1141,7 +1141,11 @@ def _environment() -> dict:
     }
 
 
-SWEEP_LABELS = {"kivi": "KIVI (uniform)", "kitty": "Kitty (4-bit channel boost, per block)", "pnmix": "PN-Mix (3/1-bit pairs; 4/3 above 3 bits)"}
+SWEEP_LABELS = {
+    "kivi": "KIVI (uniform)",
+    "kitty": "Kitty (4-bit channel boost, per block)",
+    "pnmix": "PN-Mix (3/1-bit pairs; 4/3 above 3 bits)",
+}
 CRITERIA_LABELS = {
     "pnmix-1": "query-key pair norm (PN-Mix)",
     "pnmix-1-k-pair-norm": "key pair norm",
