@@ -76,12 +76,16 @@ def test_bits_are_read_from_the_stored_tensors(name, tokens, prefill, batch):
 
 
 @needs_extra
-def test_bits_in_bfloat16_halve_the_scales_share():
+@pytest.mark.parametrize("name", INTEGER_METHODS + ["hf-fp8"])
+def test_bits_in_bfloat16_halve_the_scales_share(name):
+    """In a bf16 model scales and zeros are 16-bit: 2.5 bits at 2-bit codes, 4.5 at 4-bit; fp8 stays 8."""
+    if name not in METHOD_SETS["hf-quantized"]:
+        pytest.skip("this transformers has no fp8 QuantizedCache")
     model = tiny_model("qwen3").to(torch.bfloat16)
-    memory = quantized_cache_memory(run_cache(model, HF_METHODS["hf-quanto-2"], 100, 96))
-    assert memory["key_bits_per_element"] == pytest.approx(2 + 2 * 16 / 64)
-    memory = quantized_cache_memory(run_cache(model, HF_METHODS["hf-hqq-4"], 100, 96))
-    assert memory["value_bits_per_element"] == pytest.approx(4 + 2 * 16 / 64)
+    memory = quantized_cache_memory(run_cache(model, HF_METHODS[name], 100, 96))
+    expected = 8 + 32 / (2 * 100 * 32) if name == "hf-fp8" else HF_METHODS[name].nbits + 2 * 16 / 64
+    assert memory["key_bits_per_element"] == pytest.approx(expected)
+    assert memory["value_bits_per_element"] == pytest.approx(expected)
 
 
 @pytest.mark.skipif("hf-fp8" not in METHOD_SETS["hf-quantized"], reason="this transformers has no fp8 QuantizedCache")
