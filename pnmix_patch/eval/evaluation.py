@@ -1315,7 +1315,10 @@ def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     prompts = len(common_prompts(results)) if metric == "long_output" else 0
     axis.set_title(metric.replace("_", " ") + (f" ({prompts} prompts)" if prompts else ""))
     axis.grid(True, alpha=0.3)
-    axis.legend(loc="best", fontsize=8)
+    if builtin_points(results, metric, field):  # many labels: below the axes, clear of the points
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.24), fontsize=7, ncol=2)
+    else:
+        axis.legend(loc="best", fontsize=8)
 
 
 def _save(figure, path: Path, plt) -> Path:
