@@ -28,7 +28,8 @@ from pnmix_patch.eval.fidelity import reference_logits, teacher_force
 from pnmix_patch.eval.models import hamlet_text, load_model
 
 VARIANTS = METHODS
-"""Presets, selection-criteria variants, ablations and sweep points (``pnmix_patch.eval.evaluation``)."""
+"""Presets, selection-criteria variants, ablations, sweep points and transformers' own ``QuantizedCache``
+(``hf-quanto-2`` ... ``hf-fp8``, the ``hf-quantized`` extra) of ``pnmix_patch.eval.evaluation``."""
 RESULTS = Path(__file__).parent / "results"
 
 

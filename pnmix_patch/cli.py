@@ -159,6 +159,7 @@ def evaluate(args: argparse.Namespace) -> int:
             setattr(args, option, sizes[option])
         args.methods = args.methods or sizes["methods"]
     methods = evaluation.resolve_methods(args.methods or ["presets", "criteria", "ablations", "sweep"])
+    evaluation.check_methods(methods, args.metrics)
     model_label = Path(args.model).stem if args.model.endswith(".gguf") else args.model
     output = Path(args.output or EVAL_OUTPUT.format(model=model_label + ("_quick" if args.quick else "")))
     if "gsm8k" in args.metrics and importlib.util.find_spec("lm_eval") is None:
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--passkey-lengths={args.passkey_lengths} is invalid: allowed positive integers")
         try:
             return evaluate(args)
-        except ValueError as error:
+        except (ValueError, ImportError) as error:  # bad settings, or a method's missing extra
             parser.error(str(error))
     if args.tokens < 1:
         parser.error(f"--tokens={args.tokens} is invalid: allowed a positive integer")

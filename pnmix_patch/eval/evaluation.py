@@ -31,6 +31,11 @@ Metrics:
 
 "Full precision" is the model's dtype: float32 on CPU (the paper's FP16 baseline).
 Key bits are measured from the cache's storage (``memory_report``), masks included.
+
+transformers' own quantized cache runs beside them (``hf-quanto-2``, ``hf-quanto-4``,
+``hf-hqq-2``, ``hf-hqq-4``, ``hf-fp8``: :mod:`pnmix_patch.eval.hf_quantized`) through its own
+cache classes and the unpatched model, on the attention-KL, long-output and passkey metrics;
+its bits are read from the tensors it holds.
 """
 
 from __future__ import annotations
@@ -51,12 +56,16 @@ from ..api import new_cache, patch_model, unpatch_model
 from ..cache import PNMixCache, PNMixLayer, summarize_memory
 from ..config import PRESETS, SELECTION_CRITERIA, PNMixConfig
 from ..reference.attention import chunk_attention
-from .fidelity import progress_bar, reference_logits, teacher_force
+from .fidelity import cache_memory, method_cache, prefill_chunks, progress_bar, reference_logits, teacher_force
+from .hf_quantized import HF_METHODS, HFQuantizedMethod, require_backends, transformers_has_backend
 
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
 """Average key bits of the bit-rate sweep (codes + 16-bit scale and zero per channel per group)."""
 
 SWEEP_METHODS = ("kivi", "kitty", "pnmix")
+
+PNMIX_HIGH_RATES = (4.0, 3.5)
+"""PN-Mix's sweep above 3 bits (4-bit selected pairs, 3-bit others), beside 4-bit built-in caches."""
 
 _SWEEP_FIELDS = {
     # uniform b bits, every channel; the rate is set by the group size G (scale+zero = 32/G bits)
@@ -76,8 +85,9 @@ _SWEEP_FIELDS = {
         2.0: dict(pair_ratio=0.25, key_bits_high=4, key_bits_low=1),
         1.5: dict(pair_ratio=1 / 12, key_bits_high=4, key_bits_low=1),
     },
-    # G=128, 3 / 1 bits; key bits = 1.25 + 2 r
-    "pnmix": {rate: dict(pair_ratio=(rate - 1.25) / 2) for rate in SWEEP_RATES},
+    # G=128, 3 / 1 bits; key bits = 1.25 + 2 r; above 3 bits: 4 / 3 bits, key bits = 3.25 + r
+    "pnmix": {rate: dict(pair_ratio=(rate - 1.25) / 2) for rate in SWEEP_RATES}
+    | {rate: dict(pair_ratio=rate - 3.25, key_bits_high=4, key_bits_low=3) for rate in PNMIX_HIGH_RATES},
 }
 SWEEP_BASE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
 
@@ -98,14 +108,22 @@ def sweep_config(method: str, rate: float) -> PNMixConfig:
     1.5     1-bit, G=64                  5 channels 4-bit, rest 1-bit (1.484)        r=0.125 (4 pairs)
     ======  ===========================  ==========================================  =====================
 
+    PN-Mix alone also runs at 4.0 and 3.5 bits (:data:`PNMIX_HIGH_RATES`): 4-bit selected pairs,
+    3-bit others, r=0.75 (24 pairs) and r=0.25 (8 pairs), G=128; values stay 2-bit.
+
     Every 1-bit group uses the library's 1-bit quantizer, midpoint correction included
     (kivi's and kitty's too), so the sweep compares the mixing schemes, not the quantizer.
     """
     if method not in _SWEEP_FIELDS:
         raise ValueError(f"method={method!r} is invalid: allowed {SWEEP_METHODS}")
     if rate not in _SWEEP_FIELDS[method]:
-        raise ValueError(f"rate={rate!r} is invalid: allowed {SWEEP_RATES}")
+        raise ValueError(f"rate={rate!r} is invalid: allowed {sweep_rates(method)}")
     return PRESETS[SWEEP_BASE[method]].replace(**_SWEEP_FIELDS[method][rate], name=f"sweep-{method}-{rate}")
+
+
+def sweep_rates(method: str) -> tuple[float, ...]:
+    """The key-bit rates of ``method``'s sweep line, highest first."""
+    return tuple(sorted(_SWEEP_FIELDS[method], reverse=True))
 
 
 def method_configs() -> dict[str, PNMixConfig]:
@@ -119,17 +137,18 @@ def method_configs() -> dict[str, PNMixConfig]:
     methods["pnmix-1-no-midpoint"] = pnmix1.replace(midpoint_correction=False, name="pnmix-1-no-midpoint")
     methods["pnmix-1-per-group"] = pnmix1.replace(reselection="per_group", name="pnmix-1-per-group")
     for method in SWEEP_METHODS:
-        for rate in SWEEP_RATES:
+        for rate in sweep_rates(method):
             methods[f"sweep-{method}-{rate}"] = sweep_config(method, rate)
     return methods
 
 
-METHODS = method_configs()
+METHODS: dict[str, PNMixConfig | HFQuantizedMethod] = method_configs() | HF_METHODS
 METHOD_SETS = {
     "presets": ["fp16", "kivi-2", "pnmix-1", "pnmix-2", "kitty"],
     "criteria": ["pnmix-1", "pnmix-1-k-pair-norm", "pnmix-1-k-magnitude", "pnmix-1-k-range"],
     "ablations": ["pnmix-1", "pnmix-1-no-sinks", "pnmix-1-no-midpoint", "pnmix-1-per-group"],
-    "sweep": [f"sweep-{method}-{rate}" for method in SWEEP_METHODS for rate in SWEEP_RATES],
+    "sweep": [f"sweep-{method}-{rate}" for method in SWEEP_METHODS for rate in sweep_rates(method)],
+    "hf-quantized": [name for name, method in HF_METHODS.items() if transformers_has_backend(method.backend)],
 }
 """Named lists of methods (``--methods presets criteria``); a single method name also works."""
 
@@ -159,6 +178,16 @@ PROMPTS = {
     ),
 }
 """Prompts of the long-output metric (chat template applied), in the order used."""
+
+
+def check_methods(methods: list[str], metrics: list[str]) -> None:
+    """Refuse, before any work, methods this run cannot serve: transformers' quantized caches without
+    their packages (:class:`~pnmix_patch.eval.hf_quantized.MissingExtraError`, naming the extra), or
+    with the GSM8K metric (which runs through the library's lm-eval model)."""
+    builtin = [METHODS[name] for name in methods if isinstance(METHODS.get(name), HFQuantizedMethod)]
+    if builtin and "gsm8k" in metrics:
+        raise ValueError(f"--metrics gsm8k runs PN-Mix configs only: allowed without {[m.name for m in builtin]}")
+    require_backends(builtin)
 
 
 def resolve_methods(names: list[str]) -> list[str]:
@@ -206,7 +235,7 @@ def capture_prefill(model, input_ids: torch.Tensor, prefix: dict | None = None, 
             the attention scores); None: one chunk.
     Returns:
         ``query``, ``key``, ``value`` (lists over layers of ``[B, heads, T, D]``), ``scaling``,
-        ``pairing`` and ``logits`` (float32 ``[B, vocab]``, the last position's).
+        ``pairing``, ``logits`` (float32 ``[B, vocab]``, the last position's) and ``model``.
     """
     batch, total = input_ids.shape
     start = 0 if prefix is None else prefix["key"][0].shape[2]
@@ -246,6 +275,7 @@ def capture_prefill(model, input_ids: torch.Tensor, prefix: dict | None = None, 
         "scaling": scaling[0],
         "pairing": pairing,
         "logits": logits[:, -1].float(),
+        "model": model,
     }
 
 
@@ -289,6 +319,21 @@ def cache_from_states(model, captured: dict, pnmix_config: PNMixConfig, rows: sl
     return cache
 
 
+def fill_from_states(model, cache, captured: dict, method: PNMixConfig | HFQuantizedMethod) -> None:
+    """Put the prompt recorded in ``captured`` into an empty cache of :func:`~pnmix_patch.eval.fidelity.method_cache`:
+    a PN-Mix cache as by :func:`prefill_layer_from_states`, transformers' ``QuantizedCache`` through its
+    own ``update`` (what its prefill calls with the same keys and values)."""
+    for index, layer in enumerate(cache.layers):
+        query, key, value = (captured[name][index] for name in ("query", "key", "value"))
+        if isinstance(layer, PNMixLayer):
+            prefill_layer_from_states(layer, query, key, value)
+            continue
+        start = 0
+        for chunk in prefill_chunks(model, method, key.shape[2], key.shape[0]):
+            cache.update(key[:, :, start : start + chunk], value[:, :, start : start + chunk], index)
+            start += chunk
+
+
 def _cached_keys_in_order(layer: PNMixLayer) -> torch.Tensor:
     """Float32 keys the layer holds for sequence 0, in token order: sinks, dequantized groups, residual."""
     quantized, _ = layer.quantized_keys_values()
@@ -317,6 +362,8 @@ def attention_kl(captured: dict, pnmix_config: PNMixConfig, context: int, progre
     total = captured["key"][0].shape[2]
     if not 0 < context < total:
         raise ValueError(f"context={context} is invalid: allowed 1 .. {total - 1} (the captured tokens minus one query)")
+    if isinstance(pnmix_config, HFQuantizedMethod):
+        return _quantized_cache_attention_kl(captured, pnmix_config, context, progress)
     scaling, per_layer, parts = captured["scaling"], [], None
     for query, key, value in progress_bar(
         list(zip(captured["query"], captured["key"], captured["value"])),
@@ -351,6 +398,52 @@ def attention_kl(captured: dict, pnmix_config: PNMixConfig, context: int, progre
         "queries": total - context,
         "context": context,
         "key_bits": memory["key_bits_per_element"] if pnmix_config.quantize else 16.0,
+        "memory": memory,
+    }
+
+
+@torch.no_grad()
+def _quantized_cache_attention_kl(captured: dict, method: HFQuantizedMethod, context: int, progress: bool) -> dict:
+    """:func:`attention_kl` through transformers' ``QuantizedCache``: each layer's ``update`` takes the
+    recorded keys and values as the attention module would hand them over (the prompt, then one
+    token per step) and returns the keys attention reads, dequantized."""
+    total, scaling = captured["key"][0].shape[2], captured["scaling"]
+    cache = method.new_cache(captured["model"])
+    per_layer = []
+    for index, (query, key, value) in enumerate(
+        progress_bar(
+            list(zip(captured["query"], captured["key"], captured["value"])),
+            desc=f"attention KL {method.name}",
+            unit="layer",
+            progress=progress,
+            leave=False,
+        )
+    ):
+        start = 0
+        for chunk in prefill_chunks(captured["model"], method, context):
+            cache.update(key[:, :, start : start + chunk], value[:, :, start : start + chunk], index)
+            start += chunk
+        kv_heads, ratio = key.shape[1], query.shape[1] // key.shape[1]
+        step_kl = []
+        for position in range(context, total):
+            step = slice(position, position + 1)
+            cached, _ = cache.update(key[:, :, step], value[:, :, step], index)
+            if cached.shape[2] != position + 1:
+                raise RuntimeError(f"the cache returned {cached.shape[2]} keys after {position + 1} tokens")
+            grouped_query = query[0, :, position].float().view(kv_heads, ratio, -1)
+            exact = torch.einsum("hgd,htd->hgt", grouped_query, key[0, :, : position + 1].float()) * scaling
+            approx = torch.einsum("hgd,htd->hgt", grouped_query, cached[0].float()) * scaling
+            log_p, log_q = torch.log_softmax(exact, -1), torch.log_softmax(approx, -1)
+            step_kl.append((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+        per_layer.append(torch.stack(step_kl).mean().item())
+    memory = cache_memory(cache)
+    return {
+        "mean_kl": sum(per_layer) / len(per_layer),
+        "per_layer_kl": per_layer,
+        "max_layer_kl": max(per_layer),
+        "queries": total - context,
+        "context": context,
+        "key_bits": memory["key_bits_per_element"],
         "memory": memory,
     }
 
@@ -400,7 +493,8 @@ def long_output_fidelity(model, references: dict, pnmix_config: PNMixConfig, pro
     """Teacher-force every reference continuation through ``pnmix_config``'s cache (prompt prefilled).
 
     Returns ``mean_kl`` and ``top1_agreement`` over all scored steps of all prompts (each step
-    weighs the same), ``per_prompt`` results, ``steps`` and ``key_bits`` (of the longest prompt's cache).
+    weighs the same), ``per_prompt`` results, ``steps`` and ``key_bits`` (of the longest prompt's cache;
+    per prompt also ``value_bits`` and ``stored_bits``: every stored byte over every cached element).
     ``done`` holds per-prompt results measured before (a resumed run): those prompts are not run again.
     """
     per_prompt = {}
@@ -411,7 +505,14 @@ def long_output_fidelity(model, references: dict, pnmix_config: PNMixConfig, pro
         ids = torch.tensor([reference["ids"]])
         result = teacher_force(model, ids, pnmix_config, reference["prompt_length"], reference_logits(model, ids), progress)
         per_prompt[name] = {key: value for key, value in result.items() if key != "memory"}
-        per_prompt[name]["key_bits"] = result["memory"]["key_bits_per_element"] if pnmix_config.quantize else 16.0
+        memory = result["memory"]
+        per_prompt[name]["key_bits"] = memory["key_bits_per_element"] if pnmix_config.quantize else 16.0
+        per_prompt[name]["value_bits"] = memory["value_bits_per_element"] if pnmix_config.quantize else 16.0
+        # every stored byte (sinks, residual, codes, scales, masks) over the keys and values of every cached token
+        text = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        cached = text.num_hidden_layers * text.num_key_value_heads * head_dim * ids.shape[1]
+        per_prompt[name]["stored_bits"] = 8 * memory["total_bytes"] / (2 * cached) if pnmix_config.quantize else 16.0
     return aggregate_prompts(per_prompt)
 
 
@@ -422,7 +523,11 @@ def aggregate_prompts(per_prompt: dict) -> dict:
         "mean_kl": sum(r["mean_kl"] * r["steps"] for r in per_prompt.values()) / steps,
         "top1_agreement": sum(r["top1_agreement"] * r["steps"] for r in per_prompt.values()) / steps,
         "steps": steps,
-        "key_bits": max(per_prompt.values(), key=lambda r: r["steps"])["key_bits"],
+        **{
+            field: max(per_prompt.values(), key=lambda r: r["steps"])[field]
+            for field in ("key_bits", "value_bits", "stored_bits")
+            if all(field in r for r in per_prompt.values())
+        },
         "per_prompt": per_prompt,
     }
 
@@ -565,7 +670,7 @@ def passkey_retrieval(
     Every trial's prompt (:func:`make_passkey_trials`) is prefilled once with exact attention
     (:func:`capture_prefill`; the intro and the filler before the needle are shared by all
     trials of the length and computed once); its recorded keys, values and queries then fill
-    each method's cache (:func:`cache_from_states`: pair selection, sinks, quantized groups and
+    each method's cache (:func:`fill_from_states`: pair selection, sinks, quantized groups and
     residual as after a prefill through that cache). The first answer token comes from the
     exact prefill (the same for every method); the other ``new_tokens - 1`` are decoded greedily
     through the method's cache, trials batched ``batch_size`` at a time. Correct when the key's
@@ -598,13 +703,10 @@ def passkey_retrieval(
         for name, pnmix_config in configs.items():
             if all(t["index"] in answers[name] for t in batch):
                 continue
-            patch_model(model, pnmix_config)
-            try:
-                cache = cache_from_states(model, captured, pnmix_config)
+            with method_cache(model, pnmix_config) as cache:
+                fill_from_states(model, cache, captured, pnmix_config)
                 tokens = greedy_decode(model, cache, first, new_tokens - 1)
-                bits = cache.memory_report()["key_bits_per_element"] if pnmix_config.quantize else 16.0
-            finally:
-                unpatch_model(model)
+                bits = cache_memory(cache)["key_bits_per_element"] if pnmix_config.quantize else 16.0
             for row, trial in enumerate(batch):
                 text = tokenizer.decode(tokens[row], skip_special_tokens=True)
                 answers[name].setdefault(
@@ -809,6 +911,7 @@ def run_evaluation(
     if not 1 <= prompts <= len(PROMPTS):
         raise ValueError(f"prompts={prompts} is invalid: allowed 1 .. {len(PROMPTS)}")
     methods = resolve_methods(methods)
+    check_methods(methods, metrics)
     settings = {"model": model_name, "context": context, "queries": queries, "long_tokens": long_tokens, "prompts": prompts}
     passkey_settings = passkey_run_settings(passkey_seed, passkey_trials)
     gsm8k_settings = gsm8k_run_settings(gsm8k_task, gsm8k_limit, gsm8k_max_tokens, gsm8k_batch)
@@ -885,7 +988,7 @@ def run_evaluation(
                     methods_entry[name] = accuracy_record([r["correct"] for r in records]) | {
                         "key_bits": bits,
                         "answers": records,
-                        "config": METHODS[name].__dict__,
+                        "config": _config_record(name),
                     }
                 results["passkey"]["lengths"][_length]["seconds"] = round(time.perf_counter() - _started, 1)
                 save()
@@ -1018,7 +1121,12 @@ def _kl_text_ids(tokenizer, tokens: int) -> torch.Tensor:
 
 
 def _method_record(name: str, started: float) -> dict:
-    return {"config": METHODS[name].__dict__, "seconds": round(time.perf_counter() - started, 1)}
+    return {"config": _config_record(name), "seconds": round(time.perf_counter() - started, 1)}
+
+
+def _config_record(name: str) -> dict:
+    method = METHODS[name]
+    return method.record() if isinstance(method, HFQuantizedMethod) else method.__dict__
 
 
 def _environment() -> dict:
@@ -1033,7 +1141,11 @@ def _environment() -> dict:
     }
 
 
-SWEEP_LABELS = {"kivi": "KIVI (uniform)", "kitty": "Kitty (4-bit channel boost, per block)", "pnmix": "PN-Mix (3/1-bit pairs)"}
+SWEEP_LABELS = {
+    "kivi": "KIVI (uniform)",
+    "kitty": "Kitty (4-bit channel boost, per block)",
+    "pnmix": "PN-Mix (3/1-bit pairs; 4/3 above 3 bits)",
+}
 CRITERIA_LABELS = {
     "pnmix-1": "query-key pair norm (PN-Mix)",
     "pnmix-1-k-pair-norm": "key pair norm",
@@ -1059,7 +1171,11 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     model = results["settings"]["model"]
     written = []
-    panels = [(metric, "mean_kl") for metric in ("attention_kl", "long_output") if _sweep_points(results, metric, "mean_kl")]
+    panels = [
+        (metric, "mean_kl")
+        for metric in ("attention_kl", "long_output")
+        if _sweep_points(results, metric, "mean_kl") or builtin_points(results, metric, "mean_kl")
+    ]
     if panels:
         figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
         for axis, (metric, field) in zip(axes[0], panels):
@@ -1068,7 +1184,7 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
             axis.set_ylabel("attention KL vs full precision" if metric == "attention_kl" else "next-token KL vs full precision")
         figure.suptitle(f"{model}: key bits vs KL (lower is better)")
         written.append(_save(figure, folder / f"{prefix}_pareto_kl.png", plt))
-    if _sweep_points(results, "long_output", "top1_agreement"):
+    if _sweep_points(results, "long_output", "top1_agreement") or builtin_points(results, "long_output", "top1_agreement"):
         figure, axis = plt.subplots(figsize=(6, 4.2))
         _plot_sweep(axis, results, "long_output", "top1_agreement")
         axis.set_ylabel("top-1 agreement with full precision")
@@ -1131,13 +1247,14 @@ PRESET_OF_LINE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
 
 
 def _sweep_names(method: str) -> list[str]:
-    return [f"sweep-{method}-{rate}" for rate in SWEEP_RATES] + [PRESET_OF_LINE[method]]
+    return [f"sweep-{method}-{rate}" for rate in sweep_rates(method)] + [PRESET_OF_LINE[method]]
 
 
 def common_prompts(results: dict) -> list[str]:
-    """The long-output prompts measured for every sweep point and preset drawn (in prompt order)."""
+    """The long-output prompts measured for every sweep point, preset and built-in cache drawn (in prompt order)."""
     measured = results.get("long_output", {})
     drawn = [measured[name] for method in SWEEP_METHODS for name in _sweep_names(method) if name in measured]
+    drawn += [measured[name] for name in HF_METHODS if name in measured]
     return [name for name in PROMPTS if drawn and all(name in record.get("per_prompt", {}) for record in drawn)]
 
 
@@ -1169,14 +1286,39 @@ def _sweep_points(results: dict, metric: str, field: str) -> dict:
     return points
 
 
+def builtin_points(results: dict, metric: str, field: str) -> dict:
+    """``{method: (key bits, value)}`` of transformers' quantized caches measured for ``metric``
+    (long outputs: over :func:`common_prompts`, as the sweep's points)."""
+    measured = results.get(metric, {})
+    prompts = common_prompts(results) if metric == "long_output" else None
+    points = {}
+    for name in HF_METHODS:
+        record = measured.get(name)
+        if record is None or field not in record:
+            continue
+        if prompts is not None and "per_prompt" in record:
+            if not prompts or not all(prompt in record["per_prompt"] for prompt in prompts):
+                continue
+            record = aggregate_prompts({prompt: record["per_prompt"][prompt] for prompt in prompts})
+        points[name] = (record["key_bits"], record[field])
+    return points
+
+
 def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     for method, line in _sweep_points(results, metric, field).items():
         axis.plot([bits for bits, _ in line], [value for _, value in line], marker="o", label=SWEEP_LABELS[method])
+    for index, (name, (bits, value)) in enumerate(builtin_points(results, metric, field).items()):
+        axis.scatter(
+            [bits], [value], marker="s^vDP"[index % 5], s=50, color=f"C{index + 4}", label=f"transformers QuantizedCache: {name}", zorder=3
+        )
     axis.set_xlabel("key bits per element (measured from storage)")
     prompts = len(common_prompts(results)) if metric == "long_output" else 0
     axis.set_title(metric.replace("_", " ") + (f" ({prompts} prompts)" if prompts else ""))
     axis.grid(True, alpha=0.3)
-    axis.legend(loc="best", fontsize=8)
+    if builtin_points(results, metric, field):  # many labels: below the axes, clear of the points
+        axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.24), fontsize=7, ncol=2)
+    else:
+        axis.legend(loc="best", fontsize=8)
 
 
 def _save(figure, path: Path, plt) -> Path:

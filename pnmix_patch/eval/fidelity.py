@@ -8,6 +8,7 @@ the whole text (top-1 agreement, mean KL(full || quantized), perplexity).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -15,6 +16,7 @@ from tqdm.auto import tqdm
 
 from ..api import new_cache, patch_model, unpatch_model
 from ..config import PNMixConfig
+from .hf_quantized import HFQuantizedMethod, quantized_cache_memory
 
 
 def progress_bar(iterable=None, *, progress: bool = True, **kwargs) -> tqdm:
@@ -30,11 +32,45 @@ def reference_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids, use_cache=False).logits.float()
 
 
+@contextlib.contextmanager
+def method_cache(model, method: PNMixConfig | str | HFQuantizedMethod):
+    """An empty cache of ``method`` for ``model`` (unpatched), for the duration of the block.
+
+    A PN-Mix config or preset patches the model for the block (unpatched after) and yields a
+    :class:`~pnmix_patch.cache.PNMixCache`; an :class:`~pnmix_patch.eval.hf_quantized.HFQuantizedMethod`
+    leaves the model as it is and yields transformers' ``QuantizedCache``.
+    """
+    if isinstance(method, HFQuantizedMethod):
+        yield method.new_cache(model)
+        return
+    patch_model(model, method)
+    try:
+        yield new_cache(model)
+    finally:
+        unpatch_model(model)
+
+
+def prefill_chunks(model, method, tokens: int, batch: int = 1) -> list[int]:
+    """Token counts of the forwards that prefill ``tokens`` prompt tokens into ``method``'s cache:
+    one, except where transformers' HQQ cache cannot pack the prompt in one piece
+    (:meth:`~pnmix_patch.eval.hf_quantized.HFQuantizedMethod.prefill_chunks`)."""
+    if not isinstance(method, HFQuantizedMethod):
+        return [tokens]
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return method.prefill_chunks(tokens, batch, text.num_key_value_heads, head_dim)
+
+
+def cache_memory(cache) -> dict:
+    """The memory report of a cache made by :func:`method_cache` (bytes and bits read from its storage)."""
+    return cache.memory_report() if hasattr(cache, "memory_report") else quantized_cache_memory(cache)
+
+
 @torch.no_grad()
 def teacher_force(
     model,
     input_ids: torch.Tensor,
-    pnmix_config: PNMixConfig | str,
+    pnmix_config: PNMixConfig | str | HFQuantizedMethod,
     prefill: int,
     reference: torch.Tensor,
     progress: bool = True,
@@ -45,7 +81,8 @@ def teacher_force(
     Args:
         model: an unpatched model (it is patched for the run and unpatched after).
         input_ids: ``[1, T]`` token ids.
-        pnmix_config: PN-Mix config or preset.
+        pnmix_config: PN-Mix config or preset, or one of transformers' quantized caches
+            (:data:`~pnmix_patch.eval.hf_quantized.HF_METHODS`, run on the unpatched model).
         prefill: tokens processed in the first (exact-attention) forward.
         reference: :func:`reference_logits` of ``input_ids``.
         per_step: also return the per-step diagnostics (below).
@@ -58,19 +95,18 @@ def teacher_force(
         ``reference_top2`` (full precision's two most likely ``[[id, probability], ...]``) and
         ``step_top2`` (the same under the cache).
     """
-    patch_model(model, pnmix_config)
-    try:
-        cache = new_cache(model)
-        model(input_ids[:, :prefill], cache=cache, use_cache=True)
+    with method_cache(model, pnmix_config) as cache:
+        start = 0
+        for chunk in prefill_chunks(model, pnmix_config, prefill):
+            model(input_ids[:, start : start + chunk], cache=cache, use_cache=True)
+            start += chunk
         logits = []
         for position in progress_bar(
             range(prefill, input_ids.shape[1]), progress=progress, desc=str(getattr(pnmix_config, "name", pnmix_config)), leave=False
         ):
             step = model(input_ids[:, position : position + 1], cache=cache, use_cache=True)
             logits.append(step.logits[:, -1].float())
-        memory = cache.memory_report()
-    finally:
-        unpatch_model(model)
+        memory = cache_memory(cache)
     quantized = torch.cat(logits, 0)
     full = reference[0, prefill:]
     log_q, log_p = torch.log_softmax(quantized, -1), torch.log_softmax(full, -1)
