@@ -42,7 +42,7 @@ from transformers import AttentionInterface
 from transformers.activations import SiLUActivation
 from transformers.cache_utils import Cache, DynamicCache, StaticCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, create_masks_for_generate, sdpa_mask
 
 from .attention import PNMixAttention
 from .cache import PNMixCache
@@ -140,6 +140,20 @@ class PNMixGenerator(RuntimeMixin):
             ValueError: the static cache's ``max_cache_len`` is below the positions this call feeds it."""
         _check_static_cache_room(self, args, kwargs)
         return super().generate(*args, **kwargs)
+
+    def create_masks_for_generate(self, *args, **kwargs):
+        """The attention mask ``generate`` passes to a step on a compilable cache (its
+        ``prepare_inputs_for_generation`` turns the 2-D mask into the model's 4-D mask ahead of the compiled
+        call). A decode step of a static PN-Mix cache reads no mask (left padding is recorded in the cache at
+        prefill), so there it is None: building the 4-D mask over ``max_cache_len`` positions is host work on
+        every token, and the replayed graph (:class:`GraphedGenerateCall`) takes no mask at all. Every other
+        step gets transformers' mask."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        embeds = kwargs.get("inputs_embeds")
+        if isinstance(cache, PNMixStaticCache) and embeds is not None and cache.layers[0].decodes(embeds.shape[1]):
+            return None
+        parent = getattr(super(), "create_masks_for_generate", None)
+        return parent(*args, **kwargs) if parent is not None else create_masks_for_generate(*args, **kwargs)
 
     def get_compiled_call(self, compile_config):
         """transformers' compiled call, wrapped so that decode steps on a CUDA static PN-Mix cache replay one

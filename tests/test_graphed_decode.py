@@ -8,6 +8,7 @@ from test_static_cache import greedy
 from torch._dynamo.utils import counters
 from transformers import CompileConfig, StaticCache
 
+import pnmix_patch.api
 from pnmix_patch import PRESETS, GraphedDecodeStep, graphed_decode, new_cache, patch_gemv, patch_model
 from pnmix_patch.api import patch_state
 from pnmix_patch.kernels import common
@@ -241,3 +242,26 @@ def test_generate_refuses_a_too_small_static_cache_before_any_work():
     enough = new_cache(model, 40 + 25 - 1, static=True)
     output = model.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False, **{CACHE_KWARG: enough})
     assert torch.equal(output, model.generate(prompt, attention_mask=mask, max_new_tokens=25, do_sample=False))
+
+
+def test_generate_builds_no_mask_for_the_decode_steps_of_a_static_pnmix_cache(monkeypatch):
+    """``generate`` on a static cache turns the 2-D mask into a 4-D one ahead of every step; the patched model
+    passes none to the decode steps of a static PN-Mix cache (they read no mask: padding is recorded at
+    prefill) and builds transformers' mask for the prefill only. A left-padded batch still gives the dynamic
+    cache's tokens, eager and compiled."""
+    built = []
+    own = pnmix_patch.api.create_masks_for_generate
+    monkeypatch.setattr(pnmix_patch.api, "create_masks_for_generate", lambda *args, **kwargs: built.append(1) or own(*args, **kwargs))
+    model = patch_model(tiny_model("llama"), SMALL)
+    model.generation_config.pad_token_id = 0
+    prompt, mask = left_padded_prompt()
+    settings = dict(attention_mask=mask, max_new_tokens=30, do_sample=False)
+    expected = model.generate(prompt, **settings)
+    assert built == []  # a dynamic cache is not compilable: generate builds no mask ahead
+    assert torch.equal(model.generate(prompt, cache_implementation="static", disable_compile=True, **settings), expected)
+    assert built == [1]
+    compile_config = CompileConfig(fullgraph=True, mode="default")
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(prompt, cache_implementation="static", compile_config=compile_config, **settings), expected)
+    assert built == [1, 1]
