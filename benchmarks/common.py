@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
@@ -120,11 +121,13 @@ def report_writer(out: str, name: str, script: str) -> callable:
     """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
     GPU, torch, host, the seconds since this call, the command (``script`` and this process's arguments),
     ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
-    time limit) leaves the rows it timed, with ``"complete": false``."""
+    time limit) leaves the rows it timed, with ``"complete": false``. The commit is ``$PNMIX_COMMIT`` where
+    set (a copy of the working tree whose git metadata is not its own), else git's ``HEAD``."""
     started = time.time()
     header = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": os.environ.get("PNMIX_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),
