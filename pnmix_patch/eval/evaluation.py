@@ -145,6 +145,7 @@ def method_configs() -> dict[str, PNMixConfig]:
 METHODS: dict[str, PNMixConfig | HFQuantizedMethod] = method_configs() | HF_METHODS
 METHOD_SETS = {
     "presets": ["fp16", "kivi-2", "pnmix-1", "pnmix-2", "kitty"],
+    "baselines": ["fp16", "kivi-2", "polarquant", "chanmix", "kitty", "pnmix-1", "pnmix-2"],
     "criteria": ["pnmix-1", "pnmix-1-k-pair-norm", "pnmix-1-k-magnitude", "pnmix-1-k-range"],
     "ablations": ["pnmix-1", "pnmix-1-no-sinks", "pnmix-1-no-midpoint", "pnmix-1-per-group"],
     "sweep": [f"sweep-{method}-{rate}" for method in SWEEP_METHODS for rate in sweep_rates(method)],
