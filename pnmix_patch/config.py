@@ -223,7 +223,10 @@ class PNMixConfig:
         retrieval, outlier, subnormal = (int(round(f * head_dim)) for f in self.class_fractions)
         normal = head_dim - retrieval - outlier - subnormal
         if normal < 0:
-            raise ValueError(f"class_fractions={self.class_fractions!r} leave no channels at head_dim={head_dim}")
+            raise ValueError(
+                f"class_fractions={self.class_fractions!r} leave no channels at head_dim={head_dim} "
+                f"(counts {retrieval}, {outlier}, {subnormal}): allowed fractions whose rounded counts sum to at most {head_dim}"
+            )
         return retrieval, outlier, normal, subnormal
 
     def replace(self, **changes) -> PNMixConfig:
