@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_left_padded_batch_generates_alone, tiny_model
 
 import pnmix_patch.cache
 from pnmix_patch import PRESETS, PNMixConfig, PNMixLayer, PNMixStaticCache, patch_model, unpatch_model
@@ -146,19 +146,7 @@ def test_decode_steps_route_by_layout(name, monkeypatch):
 
 @pytest.mark.parametrize("name", FORMATS)
 def test_left_padded_batch_generates_like_each_sequence_alone(name, architecture):
-    model = tiny_model(architecture)
-    torch.manual_seed(0)
-    long, short = torch.randint(0, 96, (1, 300)), torch.randint(0, 96, (1, 230))
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 70, dtype=torch.long), short], 1)])
-    mask = torch.cat([torch.ones(1, 300), torch.cat([torch.zeros(1, 70), torch.ones(1, 230)], 1)]).long()
-    patch_model(model, name)
-    try:
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        for row, ids in enumerate((long, short)):
-            alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert torch.equal(together[row, -12:], alone[0, -12:])
-    finally:
-        unpatch_model(model)
+    assert_left_padded_batch_generates_alone(tiny_model(architecture), name)
 
 
 @pytest.mark.parametrize("name", FORMATS)
