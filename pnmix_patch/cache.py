@@ -93,8 +93,9 @@ KEY_CODE_FIELDS = {
 """The packed key code tensors of each key format."""
 
 _FORMAT_STATE = {
-    key_format: tuple(name for name in _STATE if name not in KEY_CODE_FIELDS["channel"])
+    key_format: tuple(name for name in _STATE if name not in (*KEY_CODE_FIELDS["channel"], "pair_mask_bits"))
     + fields
+    + (("pair_mask_bits",) if key_format == "channel" else ())
     + (("channel_class_bits",) if key_format == "channel_classes" else ())
     for key_format, fields in KEY_CODE_FIELDS.items()
 }
@@ -158,7 +159,8 @@ class PNMixLayer(CacheLayerMixin):
         self.value_codes = ints(batch, heads, 0, pnmix_config.value_bits, head_dim // 32)
         self.value_scale = torch.zeros(batch, heads, 0, head_dim // self.value_group, dtype=scale_dtype, device=self.device)
         self.value_zero = torch.zeros_like(self.value_scale)
-        self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
+        if pnmix_config.key_format == "channel":  # (the other formats select no pairs)
+            self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
         self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
         self.all_selected = False  # host copy of selected.all(): once True, no scoring and no sync
         # Per-group re-selection only (pnmix_config.reselection="per_group"): a selection mask per
