@@ -13,6 +13,12 @@ Token regions of every sequence ``b`` (``docs/method.md``, "Online quantization"
   tokens. The ``fp16`` preset never flushes: the residual just grows.
 - Pairs are selected once per sequence, from the first chunk holding real tokens
   (the prompt), and stored as a packed bit mask ``[B, H, ceil(D/64)]`` int32.
+- The key format (``PNMixConfig.key_format``) decides the packed key tensors: per-channel
+  codes at two widths (``key_codes_high`` / ``key_codes_low``), PolarQuant's radius and angle
+  codes (``key_codes_radius`` / ``key_codes_angle``, :mod:`.reference.polar`) or ChanMix's four
+  channel classes (``key_codes_retrieval`` ... ``key_codes_subnormal`` and the per-sequence
+  ``channel_class_bits``, :mod:`.reference.chanmix`, classified at prefill like the pairs).
+  Values, sinks and residual are the same in every format.
 
 Attention through a layer (:meth:`PNMixLayer.attend`) is: flush full residual
 buffers of sequences receiving tokens; attend over the cache plus the new chunk's
@@ -22,7 +28,10 @@ append the chunk. A decode step therefore sees sinks, quantized groups and the
 residual including its own token.
 
 Nothing dequantized is kept between steps: the reference attention dequantizes
-on the fly, the Triton kernel reads codes in registers.
+on the fly, the Triton kernel reads codes in registers. Only configurations with
+``PNMixConfig.fused_decode`` take the fused decode op (Triton or Gluon on CUDA); the others,
+whose layouts the kernels do not read, attend through the PyTorch reference on every device
+(:meth:`PNMixLayer.fused_decode_step`).
 """
 
 from __future__ import annotations
@@ -36,7 +45,9 @@ from .config import PNMixConfig, resolve_config
 from .kernels.decode_attention import decode_attention
 from .kernels.pack_keys import pack_keys
 from .kernels.pack_values import pack_values
-from .reference.attention import cache_attention, chunk_attention, chunk_validity
+from .reference.attention import cache_attention, chunk_attention, chunk_validity, key_logits
+from .reference.chanmix import classify_channels, dequantize_class_keys, pack_classes, quantize_class_keys, unpack_classes
+from .reference.polar import dequantize_polar_keys, polar_key_logits, quantize_polar_keys
 from .reference.quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
 from .reference.selection import (
     PAIRINGS,
@@ -71,6 +82,24 @@ _STATE = (
     "query_norm_sum",
     "query_count",
 )
+"""State of a layer of the per-channel key format (``key_format="channel"``), the one the static cache and
+the cache files hold."""
+
+KEY_CODE_FIELDS = {
+    "channel": ("key_codes_high", "key_codes_low"),
+    "polar": ("key_codes_radius", "key_codes_angle"),
+    "channel_classes": ("key_codes_retrieval", "key_codes_outlier", "key_codes_normal", "key_codes_subnormal"),
+}
+"""The packed key code tensors of each key format."""
+
+_FORMAT_STATE = {
+    key_format: tuple(name for name in _STATE if name not in (*KEY_CODE_FIELDS["channel"], "pair_mask_bits"))
+    + fields
+    + (("pair_mask_bits",) if key_format == "channel" else ())
+    + (("channel_class_bits",) if key_format == "channel_classes" else ())
+    for key_format, fields in KEY_CODE_FIELDS.items()
+}
+_ALL_STATE = tuple(dict.fromkeys(name for names in _FORMAT_STATE.values() for name in names))
 
 
 class PNMixLayer(CacheLayerMixin):
@@ -113,6 +142,7 @@ class PNMixLayer(CacheLayerMixin):
 
         scale_dtype = scale_dtype_for(self.dtype)
         words = pnmix_config.key_group_size // 32
+        self.key_code_names = KEY_CODE_FIELDS[pnmix_config.key_format]
         self.sink_keys, self.sink_values = (
             floats(batch, heads, pnmix_config.sink_tokens, head_dim),
             floats(batch, heads, pnmix_config.sink_tokens, head_dim),
@@ -120,14 +150,17 @@ class PNMixLayer(CacheLayerMixin):
         self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
         self.residual_values = floats(batch, heads, residual_capacity, head_dim)
         self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
-        self.key_codes_high = ints(batch, heads, 0, pnmix_config.key_bits_high, words, self.num_high)
-        self.key_codes_low = ints(batch, heads, 0, pnmix_config.key_bits_low, words, head_dim - self.num_high)
+        for name, (bits, channels) in zip(self.key_code_names, self._key_code_widths(head_dim)):
+            setattr(self, name, ints(batch, heads, 0, bits, words, channels))
+        if pnmix_config.key_format == "channel_classes":
+            self.channel_class_bits = ints(batch, heads, 2, -(-head_dim // 32))
         self.key_scale = torch.zeros(batch, heads, 0, head_dim, dtype=scale_dtype, device=self.device)
         self.key_zero = torch.zeros_like(self.key_scale)
         self.value_codes = ints(batch, heads, 0, pnmix_config.value_bits, head_dim // 32)
         self.value_scale = torch.zeros(batch, heads, 0, head_dim // self.value_group, dtype=scale_dtype, device=self.device)
         self.value_zero = torch.zeros_like(self.value_scale)
-        self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
+        if pnmix_config.key_format == "channel":  # (the other formats select no pairs)
+            self.pair_mask_bits = ints(batch, heads, -(-head_dim // 64))
         self.selected = torch.zeros(batch, dtype=torch.bool, device=self.device)
         self.all_selected = False  # host copy of selected.all(): once True, no scoring and no sync
         # Per-group re-selection only (pnmix_config.reselection="per_group"): a selection mask per
@@ -138,6 +171,25 @@ class PNMixLayer(CacheLayerMixin):
         self.query_norm_sum = torch.zeros(batch, heads, head_dim // 2 if tracks_queries else 0, device=self.device)
         self.query_count = ints(batch)
         self.is_initialized = True
+
+    def _key_code_widths(self, head_dim: int) -> list[tuple[int, int]]:
+        """(bits, channels) of every packed key code tensor (:data:`KEY_CODE_FIELDS`) at ``head_dim``."""
+        pnmix_config = self.pnmix_config
+        if pnmix_config.key_format == "polar":
+            return [(pnmix_config.radius_bits, head_dim // 2), (pnmix_config.angle_bits, head_dim // 2)]
+        if pnmix_config.key_format == "channel_classes":
+            return list(zip(pnmix_config.class_bits, pnmix_config.class_counts(head_dim)))
+        return [(pnmix_config.key_bits_high, self.num_high), (pnmix_config.key_bits_low, head_dim - self.num_high)]
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """The names of this layer's state tensors (they depend on the key format)."""
+        return _FORMAT_STATE[self.pnmix_config.key_format]
+
+    @property
+    def key_group_names(self) -> tuple[str, ...]:
+        """The tensors holding one entry per key group: the packed codes, then scale and zero."""
+        return (*self.key_code_names, "key_scale", "key_zero")
 
     # ------------------------------------------------------------ transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -159,7 +211,7 @@ class PNMixLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.seen_tokens = 0
         self.is_initialized = False
-        for name in _STATE:
+        for name in _ALL_STATE:
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -168,7 +220,7 @@ class PNMixLayer(CacheLayerMixin):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            for name in _STATE:
+            for name in self.state_names:
                 setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
             self.batch_size = self.sink_len.shape[0]
 
@@ -198,6 +250,12 @@ class PNMixLayer(CacheLayerMixin):
         return pairs_to_channels(unpack_mask(self.group_mask_bits, self.head_dim // 2), self.pairing)
 
     @property
+    def channel_classes(self) -> torch.Tensor:
+        """ChanMix's channel classes (``key_format="channel_classes"``), int64 ``[batch, kv_heads, head_dim]``:
+        0 retrieval, 1 outlier, 2 normal, 3 subnormal."""
+        return unpack_classes(self.channel_class_bits, self.head_dim)
+
+    @property
     def group_capacity(self) -> int:
         return self.key_scale.shape[2]
 
@@ -205,6 +263,14 @@ class PNMixLayer(CacheLayerMixin):
     def chunk_validity(self, attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
         """Bool ``[B, chunk]`` real-token mask of the next chunk (None: all real), from the 4D mask."""
         return chunk_validity(attention_mask, batch, chunk, device)
+
+    def fused_decode_step(self, chunk: int) -> bool:
+        """Whether a chunk of ``chunk`` tokens attends through the fused decode op (``pnmix::decode_attention``:
+        the Triton or Gluon kernel on CUDA, its PyTorch reference elsewhere). Only a one-token step of a
+        configuration with ``PNMixConfig.fused_decode`` does: the polar and channel-class formats and
+        per-group re-selection store layouts the kernels cannot read, so they always take the reference
+        attention (``reference.attention.cache_attention``), on CUDA too."""
+        return chunk == 1 and self.pnmix_config.fused_decode
 
     def decodes(self, chunk: int) -> bool:
         """Whether a chunk of ``chunk`` tokens is a decode step that ``attend_rotating`` serves: never here
@@ -246,7 +312,7 @@ class PNMixLayer(CacheLayerMixin):
         self._select_pairs(query, key, valid, incoming, all_real)
         # A full residual buffer is flushed before a token is added to it.
         self._flush(self.residual_keys, self.residual_values, incoming.gt(0) & self.residual_len.eq(self.residual_capacity))
-        if chunk == 1 and self.pnmix_config.quantize and self.pnmix_config.reselection == "prefill":
+        if self.fused_decode_step(chunk):
             # Decode: the token joins the residual, then the fused op reads the packed cache
             # (Triton on CUDA, the PyTorch reference elsewhere).
             self._append(key, value, valid, incoming)
@@ -291,14 +357,18 @@ class PNMixLayer(CacheLayerMixin):
         if self.pnmix_config.reselection == "per_group":
             self._track_query_norms(query, valid)  # groups select when they are flushed
             return
-        if self.all_selected:
+        if self.all_selected or self.pnmix_config.key_format == "polar":  # (the polar format selects nothing)
             return
         # Scored for the whole batch, kept for the sequences selecting now; the launches are
         # queued before the one host sync (selected.all()), so they overlap the GPU's work.
         pending = incoming.gt(0) & ~self.selected
-        scores = pair_scores(query, key, None if all_real else valid, self.pnmix_config.selection, self.pairing)
-        new_bits = pack_mask(select_top_pairs(scores, self.num_high // 2))
-        self.pair_mask_bits = torch.where(pending[:, None, None], new_bits, self.pair_mask_bits)
+        if self.pnmix_config.key_format == "channel_classes":
+            classes = classify_channels(query, key, None if all_real else valid, self.pnmix_config.class_counts(self.head_dim))
+            self.channel_class_bits = torch.where(pending[:, None, None, None], pack_classes(classes), self.channel_class_bits)
+        else:
+            scores = pair_scores(query, key, None if all_real else valid, self.pnmix_config.selection, self.pairing)
+            new_bits = pack_mask(select_top_pairs(scores, self.num_high // 2))
+            self.pair_mask_bits = torch.where(pending[:, None, None], new_bits, self.pair_mask_bits)
         self.selected = self.selected | pending
         self.all_selected = bool(self.selected.all())
 
@@ -357,7 +427,7 @@ class PNMixLayer(CacheLayerMixin):
             counts = torch.where(rows_mask, self.residual_len, 0)
         longest = int(counts.max())
         block_k, block_v = keys[rows, :, :longest], values[rows, :, :longest]
-        codes_high, codes_low, key_scale, key_zero, group_masks = self._pack_key_groups(block_k, rows)
+        key_groups, group_masks = self._pack_key_groups(block_k, rows)
         value_codes, value_scale, value_zero = pack_values(
             block_v, pnmix_config.value_bits, self.value_group, pnmix_config.midpoint_correction, group
         )
@@ -368,10 +438,8 @@ class PNMixLayer(CacheLayerMixin):
             torch.arange(longest // group, device=keys.device)[None] < new_groups[:, None], as_tuple=True
         )
         target_rows, target_groups = rows[group_rows], self.num_groups[rows][group_rows] + group_cols
-        self.key_codes_high[target_rows, :, target_groups] = codes_high[group_rows, :, group_cols]
-        self.key_codes_low[target_rows, :, target_groups] = codes_low[group_rows, :, group_cols]
-        self.key_scale[target_rows, :, target_groups] = key_scale[group_rows, :, group_cols]
-        self.key_zero[target_rows, :, target_groups] = key_zero[group_rows, :, group_cols]
+        for name, packed in zip(self.key_group_names, key_groups):
+            getattr(self, name)[target_rows, :, target_groups] = packed[group_rows, :, group_cols]
         if group_masks is not None:
             self.group_mask_bits[target_rows, :, target_groups] = group_masks[group_rows, :, group_cols]
         token_offsets = torch.arange(group, device=keys.device)
@@ -388,10 +456,26 @@ class PNMixLayer(CacheLayerMixin):
     def _pack_key_groups(self, block_k, rows):
         """Quantize and pack ``block_k [rows, H, tokens, D]`` (whole groups) into key groups.
 
-        Returns ``pack_keys``'s four tensors and, with per-group re-selection, every group's
-        packed selection mask ``[rows, H, groups, words]`` (else None).
+        Returns the tensors of :attr:`key_group_names` (for the per-channel format ``pack_keys``'s
+        four) and, with per-group re-selection, every group's packed selection mask
+        ``[rows, H, groups, words]`` (else None).
         """
         pnmix_config = self.pnmix_config
+        if pnmix_config.key_format == "polar":
+            groups = quantize_polar_keys(
+                block_k, pnmix_config.key_group_size, pnmix_config.radius_bits, pnmix_config.angle_bits, self.pairing
+            )
+            return groups, None
+        if pnmix_config.key_format == "channel_classes":
+            groups = quantize_class_keys(
+                block_k,
+                self.channel_classes[rows],
+                pnmix_config.class_counts(self.head_dim),
+                pnmix_config.class_bits,
+                pnmix_config.key_group_size,
+                pnmix_config.midpoint_correction,
+            )
+            return groups, None
 
         def pack(keys, order):
             return pack_keys(
@@ -405,7 +489,7 @@ class PNMixLayer(CacheLayerMixin):
             )
 
         if pnmix_config.reselection == "prefill":
-            return (*pack(block_k, channel_order(self.channel_mask[rows])), None)
+            return pack(block_k, channel_order(self.channel_mask[rows])), None
         batch, heads, tokens, head_dim = block_k.shape
         group = pnmix_config.key_group_size
         query_mean = None
@@ -416,7 +500,7 @@ class PNMixLayer(CacheLayerMixin):
         orders = channel_order(masks)
         parts = [pack(block_k[:, :, g * group : (g + 1) * group], orders[:, :, g]) for g in range(tokens // group)]
         units = masks if pnmix_config.selection_unit == "channel" else split_pairs(masks, self.pairing)[0]
-        return (*(torch.cat(part, dim=2) for part in zip(*parts)), pack_mask(units))
+        return tuple(torch.cat(part, dim=2) for part in zip(*parts)), pack_mask(units)
 
     def _track_query_norms(self, query, valid) -> None:
         """Add the chunk's real queries' pair norms (GQA-averaged per KV head) to the running sum."""
@@ -439,8 +523,8 @@ class PNMixLayer(CacheLayerMixin):
             shape[2] = dim_extra
             return torch.cat([tensor, tensor.new_zeros(shape)], dim=2)
 
-        self.key_codes_high, self.key_codes_low = grow(self.key_codes_high, extra), grow(self.key_codes_low, extra)
-        self.key_scale, self.key_zero = grow(self.key_scale, extra), grow(self.key_zero, extra)
+        for name in self.key_group_names:
+            setattr(self, name, grow(getattr(self, name), extra))
         self.value_codes = grow(self.value_codes, extra * group)
         self.value_scale, self.value_zero = grow(self.value_scale, extra * group), grow(self.value_zero, extra * group)
         if self.pnmix_config.reselection == "per_group":
@@ -450,12 +534,37 @@ class PNMixLayer(CacheLayerMixin):
     def quantized_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized float32 keys and values of the quantized region, ``[B, H, groups*G, D]``
         (transient, for the reference attention and for tests)."""
+        return self.quantized_keys(), self.quantized_values()
+
+    def _empty_quantized(self) -> torch.Tensor:
+        return torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
+
+    def quantized_keys(self) -> torch.Tensor:
+        """Dequantized float32 keys of the quantized region, ``[B, H, groups*G, D]``, in channel order."""
         if self.group_capacity == 0:
-            empty = torch.zeros(self.batch_size, self.num_heads, 0, self.head_dim, device=self.device)
-            return empty, empty
-        keys = dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.stored_channel_mask)
-        values = dequantize_values(self.value_codes, self.value_scale, self.value_zero, self.pnmix_config.key_group_size)
-        return keys, values
+            return self._empty_quantized()
+        key_format = self.pnmix_config.key_format
+        if key_format == "polar":
+            return dequantize_polar_keys(self.key_codes_radius, self.key_codes_angle, self.key_scale, self.key_zero, self.pairing)
+        if key_format == "channel_classes":
+            codes = tuple(getattr(self, name) for name in self.key_code_names)
+            return dequantize_class_keys(codes, self.key_scale, self.key_zero, self.channel_classes)
+        return dequantize_keys(self.key_codes_high, self.key_codes_low, self.key_scale, self.key_zero, self.stored_channel_mask)
+
+    def quantized_values(self) -> torch.Tensor:
+        """Dequantized float32 values of the quantized region, ``[B, H, groups*G, D]``."""
+        if self.group_capacity == 0:
+            return self._empty_quantized()
+        return dequantize_values(self.value_codes, self.value_scale, self.value_zero, self.pnmix_config.key_group_size)
+
+    def quantized_key_logits(self, query: torch.Tensor) -> torch.Tensor:
+        """Unscaled logits ``query . key`` of ``query [B, Hq, T, D]`` over the quantized keys: float32
+        ``[B, Hq, T, groups*G]``. The polar format reads them by table lookup over its angle levels
+        (:func:`~pnmix_patch.reference.polar.polar_key_logits`), without rebuilding a key; the others
+        from the dequantized keys."""
+        if self.pnmix_config.key_format == "polar" and self.group_capacity:
+            return polar_key_logits(query, self.key_codes_radius, self.key_codes_angle, self.key_scale, self.key_zero, self.pairing)
+        return key_logits(query, self.quantized_keys())
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes held by each part of this layer (0 before the first token)."""
@@ -468,21 +577,27 @@ class PNMixLayer(CacheLayerMixin):
         return {
             "sinks": size("sink_keys", "sink_values"),
             "residual": size("residual_keys", "residual_values"),
-            "packed_keys": size("key_codes_high", "key_codes_low"),
+            "packed_keys": size(*self.key_code_names),
             "packed_values": size("value_codes"),
             "key_scales_zeros": size("key_scale", "key_zero"),
             "value_scales_zeros": size("value_scale", "value_zero"),
-            "masks": (
-                size("group_mask_bits", "query_norm_sum", "query_count")
-                if self.pnmix_config.reselection == "per_group"
-                else size("pair_mask_bits")
-                if 0 < self.num_high < self.head_dim
-                else 0
-            ),
+            "masks": self._mask_bytes(size),
             "lengths": size("sink_len", "residual_len", "num_groups", "selected"),
             # element slots of the quantized region (per keys, and per values)
             "quantized_elements": self.batch_size * self.num_heads * self.group_capacity * self.pnmix_config.key_group_size * self.head_dim,
         }
+
+    def _mask_bytes(self, size) -> int:
+        """Bytes of the selection state the packed keys need to be read: per-group masks (and the query
+        statistics they are chosen with), ChanMix's channel classes, or the prefill pair mask where it
+        selects some pairs but not all (the polar format selects nothing)."""
+        if self.pnmix_config.reselection == "per_group":
+            return size("group_mask_bits", "query_norm_sum", "query_count")
+        if self.pnmix_config.key_format == "channel_classes":
+            return size("channel_class_bits")
+        if self.pnmix_config.key_format == "channel" and 0 < self.num_high < self.head_dim:
+            return size("pair_mask_bits")
+        return 0
 
 
 MEMORY_PARTS = (

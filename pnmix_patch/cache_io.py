@@ -258,10 +258,16 @@ def save_cache(
 
     Raises:
         ValueError: an empty cache or layer, a static cache whose sequence outgrew its storage, a
-            ``model`` whose fingerprint differs from the cache's config, prompt ids of another batch size.
+            ``model`` whose fingerprint differs from the cache's config, prompt ids of another batch size, a
+            cache in the polar or channel-class key format.
     """
     if not isinstance(cache, PNMixCache):
         raise TypeError(f"save_cache saves a PNMixCache or PNMixStaticCache, got {type(cache).__name__}")
+    if cache.pnmix_config.key_format != "channel":
+        raise ValueError(
+            f"save_cache writes the per-channel key layout only; this cache has key_format={cache.pnmix_config.key_format!r} "
+            "(allowed 'channel')"
+        )
     layers = cache.layers
     empty = [index for index, layer in enumerate(layers) if not layer.is_initialized or layer.get_seq_length() == 0]
     if empty:

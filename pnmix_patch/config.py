@@ -12,6 +12,20 @@ preset        r      G     b_H  b_L  b_V  N_s   N     key bits
 ``fp16``      no quantization: the same cache and attention, nothing is flushed
 ============  =====  ====  ===  ===  ===  ====  ====  =========
 
+Two baselines store keys in another format (``key_format``, ``docs/method.md``, "Baselines
+in other key formats"):
+
+- ``polarquant`` / ``polarquant-3``: PolarQuant. Every RoPE pair of a key is stored as a
+  radius and an angle, each quantized per pair over groups of ``G`` tokens, 4 + 4 bits
+  (3 + 3 bits) per pair: 4.25 (3.25) key bits per element with the 16-bit scales and zeros.
+- ``chanmix``: ChanMix. Every channel of a (sequence, layer, KV head) is classified once at
+  prefill as retrieval (4 bits), outlier (3), normal (2) or subnormal (1 bit); 1/16, 1/8 and
+  1/4 of the channels are retrieval, outlier and subnormal, so the codes average exactly 2
+  bits (2.25 with scales and zeros).
+
+Their packed layouts are not the one the fused decode kernels read: their decode steps run the
+PyTorch reference attention on every device (:attr:`PNMixConfig.fused_decode`).
+
 ``kivi-2`` is expressed as "every pair is selected, selected pairs get 2 bits",
 so uniform and mixed precision share one storage layout and one code path.
 The number of selected pairs per head is ``round(r * head_dim / 2)`` (13 of 32
@@ -54,6 +68,14 @@ CHANNEL_CRITERIA = ("k_magnitude", "k_range")
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 """Bit widths the packed storage supports (bit planes, so any width packs exactly)."""
 
+KEY_FORMATS = ("channel", "polar", "channel_classes")
+"""How keys are stored: per-channel min-max codes at two widths (PN-Mix, KIVI, Kitty), a quantized
+radius and angle per RoPE pair (PolarQuant), or per-channel codes at four widths by channel class
+(ChanMix)."""
+
+CHANNEL_CLASSES = ("retrieval", "outlier", "normal", "subnormal")
+"""ChanMix's channel classes, in the order of ``class_bits`` and of their stored channels."""
+
 
 @dataclass(frozen=True)
 class PNMixConfig:
@@ -81,6 +103,18 @@ class PNMixConfig:
             :data:`RESELECTION_MODES`.
         selection_unit: ``"pair"`` or ``"channel"`` (:data:`SELECTION_UNITS`); ``"channel"``
             needs a channel criterion (:data:`CHANNEL_CRITERIA`) and ``reselection="per_group"``.
+        key_format: how keys are stored, one of :data:`KEY_FORMATS`. ``"channel"`` (default) uses
+            ``pair_ratio``, ``key_bits_high``, ``key_bits_low``, ``selection``, ``reselection`` and
+            ``selection_unit``; ``"polar"`` uses ``radius_bits`` and ``angle_bits`` instead, and
+            ``"channel_classes"`` uses ``class_bits`` and ``class_fractions`` (both need
+            ``reselection="prefill"`` and ``selection_unit="pair"``, the defaults, and ignore the
+            other selection fields).
+        radius_bits: ``key_format="polar"``: bits of a pair's quantized radius.
+        angle_bits: ``key_format="polar"``: bits of a pair's quantized angle.
+        class_bits: ``key_format="channel_classes"``: bits of the retrieval, outlier, normal and
+            subnormal channels (:data:`CHANNEL_CLASSES`), non-increasing.
+        class_fractions: ``key_format="channel_classes"``: fractions of the channels that are
+            retrieval, outlier and subnormal (``round(f * head_dim)`` each); the rest are normal.
     """
 
     pair_ratio: float = 0.5
@@ -97,10 +131,20 @@ class PNMixConfig:
     name: str = "custom"
     reselection: str = "prefill"
     selection_unit: str = "pair"
+    key_format: str = "channel"
+    radius_bits: int = 4
+    angle_bits: int = 4
+    class_bits: tuple[int, int, int, int] = (4, 3, 2, 1)
+    class_fractions: tuple[float, float, float] = (0.0625, 0.125, 0.25)
 
     def __post_init__(self):
         def fail(field, value, allowed):
             raise ValueError(f"PNMixConfig.{field}={value!r} is invalid: allowed {allowed}")
+
+        # Sequences read back from JSON (a saved cache's header) are lists: keep tuples, so configs stay hashable.
+        for field in ("class_bits", "class_fractions"):
+            if isinstance(getattr(self, field), list):
+                object.__setattr__(self, field, tuple(getattr(self, field)))
 
         if not isinstance(self.pair_ratio, (int, float)) or not 0.0 <= self.pair_ratio <= 1.0:
             fail("pair_ratio", self.pair_ratio, "a number in [0, 1]")
@@ -136,6 +180,54 @@ class PNMixConfig:
             fail("selection", self.selection, f"a channel criterion {CHANNEL_CRITERIA} with selection_unit='channel'")
         if self.selection_unit == "channel" and self.reselection != "per_group":
             fail("reselection", self.reselection, "'per_group' with selection_unit='channel'")
+        self._check_key_format(fail)
+
+    def _check_key_format(self, fail) -> None:
+        """Validate ``key_format`` and the fields of the polar and channel-class formats."""
+        if self.key_format not in KEY_FORMATS:
+            fail("key_format", self.key_format, f"one of {KEY_FORMATS}")
+        for field in ("radius_bits", "angle_bits"):
+            value = getattr(self, field)
+            if not _positive_int(value) or value not in SUPPORTED_BITS:
+                fail(field, value, f"one of {SUPPORTED_BITS}")
+        bits = self.class_bits
+        if not (isinstance(bits, tuple) and len(bits) == 4 and all(_positive_int(b) and b in SUPPORTED_BITS for b in bits)):
+            fail("class_bits", bits, f"4 widths (retrieval, outlier, normal, subnormal), each one of {SUPPORTED_BITS}")
+        if any(later > earlier for earlier, later in zip(bits, bits[1:])):
+            fail("class_bits", bits, "non-increasing widths (retrieval >= outlier >= normal >= subnormal)")
+        fractions = self.class_fractions
+        if not (
+            isinstance(fractions, tuple)
+            and len(fractions) == 3
+            and all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 <= f <= 1.0 for f in fractions)
+            and sum(fractions) <= 1.0
+        ):
+            fail("class_fractions", fractions, "3 fractions in [0, 1] (retrieval, outlier, subnormal) summing to at most 1")
+        if self.key_format != "channel":
+            if self.reselection != "prefill":
+                fail("reselection", self.reselection, f"'prefill' with key_format={self.key_format!r} (its layout is fixed per sequence)")
+            if self.selection_unit != "pair":
+                fail("selection_unit", self.selection_unit, f"'pair' with key_format={self.key_format!r} (it selects no pairs)")
+
+    @property
+    def fused_decode(self) -> bool:
+        """Whether a decode step reads the packed cache through the fused decode op (the Triton and
+        Gluon kernels on CUDA): only the per-channel layout selected once at prefill. Every other
+        configuration (per-group re-selection, the polar and channel-class formats) attends through
+        the PyTorch reference (``reference.attention.cache_attention``) on every device."""
+        return self.quantize and self.reselection == "prefill" and self.key_format == "channel"
+
+    def class_counts(self, head_dim: int) -> tuple[int, int, int, int]:
+        """Channels per head of each class of ``key_format="channel_classes"`` (retrieval, outlier,
+        normal, subnormal): ``round(f * head_dim)`` for the three fractions, the rest normal."""
+        retrieval, outlier, subnormal = (int(round(f * head_dim)) for f in self.class_fractions)
+        normal = head_dim - retrieval - outlier - subnormal
+        if normal < 0:
+            raise ValueError(
+                f"class_fractions={self.class_fractions!r} leave no channels at head_dim={head_dim} "
+                f"(counts {retrieval}, {outlier}, {subnormal}): allowed fractions whose rounded counts sum to at most {head_dim}"
+            )
+        return retrieval, outlier, normal, subnormal
 
     def replace(self, **changes) -> PNMixConfig:
         """A copy with some fields changed (validated again)."""
@@ -164,7 +256,13 @@ class PNMixConfig:
 
     def nominal_key_bits(self, head_dim: int) -> float:
         """Key bits per quantized element: codes plus a 16-bit scale and zero per channel per group
-        (selection masks excluded)."""
+        (selection masks excluded). The polar format has a scale and zero for the radius and for the
+        angle of every pair, the same ``32 / G`` bits per element."""
+        if self.key_format == "polar":
+            return (self.radius_bits + self.angle_bits) / 2 + 32 / self.key_group_size
+        if self.key_format == "channel_classes":
+            counts = self.class_counts(head_dim)
+            return sum(c * b for c, b in zip(counts, self.class_bits)) / head_dim + 32 / self.key_group_size
         high_channels = self.num_high_channels(head_dim)
         code_bits = (high_channels * self.key_bits_high + (head_dim - high_channels) * self.key_bits_low) / head_dim
         return code_bits + 32 / self.key_group_size
@@ -187,6 +285,9 @@ PRESETS: dict[str, PNMixConfig] = {
         reselection="per_group",
         name="kitty",
     ),
+    "polarquant": PNMixConfig(key_format="polar", radius_bits=4, angle_bits=4, name="polarquant"),
+    "polarquant-3": PNMixConfig(key_format="polar", radius_bits=3, angle_bits=3, name="polarquant-3"),
+    "chanmix": PNMixConfig(key_format="channel_classes", midpoint_correction=False, name="chanmix"),
     "fp16": PNMixConfig(quantize=False, name="fp16"),
 }
 

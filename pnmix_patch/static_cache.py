@@ -133,6 +133,12 @@ class PNMixStaticLayer(PNMixLayer):
                 f"a static PN-Mix cache selects once per sequence (reselection='prefill'); got "
                 f"reselection={pnmix_config.reselection!r}: use the dynamic PNMixCache for per-group re-selection"
             )
+        if pnmix_config.key_format != "channel":
+            raise ValueError(
+                f"a static PN-Mix cache holds the per-channel key layout its fused decode step reads; got "
+                f"key_format={pnmix_config.key_format!r} (allowed 'channel'): use the dynamic PNMixCache for the "
+                "polar and channel-class formats"
+            )
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         super().__init__(pnmix_config, pairing, max_cache_len)
         self.prefilled = False  # a one-token chunk is a decode step only after a prefill

@@ -76,6 +76,25 @@ def output_cache(output):
     return output.cache if hasattr(output, "cache") else output.past_key_values
 
 
+def assert_left_padded_batch_generates_alone(model, pnmix_config, new_tokens: int = 12):
+    """Patch ``model`` with ``pnmix_config``, generate greedily for a left-padded batch of a 300- and a
+    230-token prompt (70 tokens of padding), and check each row against the prompt generated alone."""
+    from pnmix_patch import patch_model, unpatch_model
+
+    torch.manual_seed(0)
+    long, short = torch.randint(0, 96, (1, 300)), torch.randint(0, 96, (1, 230))
+    batch = torch.cat([long, torch.cat([torch.zeros(1, 70, dtype=torch.long), short], 1)])
+    mask = torch.cat([torch.ones(1, 300), torch.cat([torch.zeros(1, 70), torch.ones(1, 230)], 1)]).long()
+    patch_model(model, pnmix_config)
+    try:
+        together = model.generate(batch, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        for row, ids in enumerate((long, short)):
+            alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            assert torch.equal(together[row, -new_tokens:], alone[0, -new_tokens:])
+    finally:
+        unpatch_model(model)
+
+
 @pytest.fixture(params=sorted(ARCHITECTURES))
 def architecture(request):
     return request.param

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import assert_left_padded_batch_generates_alone, tiny_model
 
-from pnmix_patch import PRESETS, PNMixLayer, patch_model, unpatch_model
+from pnmix_patch import PRESETS, PNMixLayer
 from pnmix_patch.reference.quantize import dequantize_keys, quantize_keys
 from pnmix_patch.reference.selection import group_channel_masks, pair_norms
 
@@ -103,16 +103,4 @@ def test_per_group_key_bits_include_the_group_masks():
 @pytest.mark.parametrize("name", ["kitty", "pnmix-1-per-group"])
 def test_left_padded_batch_generates_like_each_sequence_alone(name):
     config = PRESETS["kitty"] if name == "kitty" else PER_GROUP_PNMIX
-    model = tiny_model("llama")
-    torch.manual_seed(0)
-    long, short = torch.randint(0, 96, (1, 300)), torch.randint(0, 96, (1, 230))
-    batch = torch.cat([long, torch.cat([torch.zeros(1, 70, dtype=torch.long), short], 1)])
-    mask = torch.cat([torch.ones(1, 300), torch.cat([torch.zeros(1, 70), torch.ones(1, 230)], 1)]).long()
-    patch_model(model, config)
-    try:
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
-        for row, ids in enumerate((long, short)):
-            alone = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert torch.equal(together[row, -12:], alone[0, -12:])
-    finally:
-        unpatch_model(model)
+    assert_left_padded_batch_generates_alone(tiny_model("llama"), config)

@@ -62,7 +62,7 @@ from .hf_quantized import HF_METHODS, HFQuantizedMethod, require_backends, trans
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
 """Average key bits of the bit-rate sweep (codes + 16-bit scale and zero per channel per group)."""
 
-SWEEP_METHODS = ("kivi", "kitty", "pnmix")
+SWEEP_METHODS = ("kivi", "kitty", "pnmix", "polar")
 
 PNMIX_HIGH_RATES = (4.0, 3.5)
 """PN-Mix's sweep above 3 bits (4-bit selected pairs, 3-bit others), beside 4-bit built-in caches."""
@@ -88,12 +88,20 @@ _SWEEP_FIELDS = {
     # G=128, 3 / 1 bits; key bits = 1.25 + 2 r; above 3 bits: 4 / 3 bits, key bits = 3.25 + r
     "pnmix": {rate: dict(pair_ratio=(rate - 1.25) / 2) for rate in SWEEP_RATES}
     | {rate: dict(pair_ratio=rate - 3.25, key_bits_high=4, key_bits_low=3) for rate in PNMIX_HIGH_RATES},
+    # radius / angle bits per pair and the group size: key bits = (b_r + b_a) / 2 + 32 / G
+    "polar": {
+        3.0: dict(radius_bits=3, angle_bits=2, key_group_size=64),
+        2.5: dict(radius_bits=2, angle_bits=2, key_group_size=64),
+        2.25: dict(radius_bits=2, angle_bits=2),
+        2.0: dict(radius_bits=2, angle_bits=1, key_group_size=64),
+        1.5: dict(radius_bits=1, angle_bits=1, key_group_size=64),
+    },
 }
-SWEEP_BASE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
+SWEEP_BASE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1", "polar": "polarquant"}
 
 
 def sweep_config(method: str, rate: float) -> PNMixConfig:
-    """The config of ``method`` (``kivi``, ``kitty`` or ``pnmix``) at ``rate`` average key bits.
+    """The config of ``method`` (``kivi``, ``kitty``, ``pnmix`` or ``polar``) at ``rate`` average key bits.
 
     Mapping (head dim 64, the two models evaluated here; scale and zero are 16-bit per
     channel per group, ``32 / G`` bits):
@@ -107,6 +115,10 @@ def sweep_config(method: str, rate: float) -> PNMixConfig:
     2.0     1-bit, G=32                  16 channels 4-bit, rest 1-bit               r=0.375 (12 pairs)
     1.5     1-bit, G=64                  5 channels 4-bit, rest 1-bit (1.484)        r=0.125 (4 pairs)
     ======  ===========================  ==========================================  =====================
+
+    PolarQuant (``polar``; its paper's settings are the ``polarquant`` and ``polarquant-3`` presets, 4.25 and
+    3.25 bits) runs at 3.0 bits with a 3-bit radius and 2-bit angle per pair, G=64; 2.5 and 2.25 with 2 + 2
+    bits, G=64 and 128; 2.0 with 2 + 1 bits and 1.5 with 1 + 1 bits, G=64.
 
     PN-Mix alone also runs at 4.0 and 3.5 bits (:data:`PNMIX_HIGH_RATES`): 4-bit selected pairs,
     3-bit others, r=0.75 (24 pairs) and r=0.25 (8 pairs), G=128; values stay 2-bit.
@@ -136,6 +148,7 @@ def method_configs() -> dict[str, PNMixConfig]:
     methods["pnmix-1-no-sinks"] = pnmix1.replace(sink_tokens=0, name="pnmix-1-no-sinks")
     methods["pnmix-1-no-midpoint"] = pnmix1.replace(midpoint_correction=False, name="pnmix-1-no-midpoint")
     methods["pnmix-1-per-group"] = pnmix1.replace(reselection="per_group", name="pnmix-1-per-group")
+    methods["chanmix-midpoint"] = PRESETS["chanmix"].replace(midpoint_correction=True, name="chanmix-midpoint")
     for method in SWEEP_METHODS:
         for rate in sweep_rates(method):
             methods[f"sweep-{method}-{rate}"] = sweep_config(method, rate)
@@ -145,6 +158,7 @@ def method_configs() -> dict[str, PNMixConfig]:
 METHODS: dict[str, PNMixConfig | HFQuantizedMethod] = method_configs() | HF_METHODS
 METHOD_SETS = {
     "presets": ["fp16", "kivi-2", "pnmix-1", "pnmix-2", "kitty"],
+    "baselines": ["fp16", "kivi-2", "polarquant", "chanmix", "kitty", "pnmix-1", "pnmix-2"],
     "criteria": ["pnmix-1", "pnmix-1-k-pair-norm", "pnmix-1-k-magnitude", "pnmix-1-k-range"],
     "ablations": ["pnmix-1", "pnmix-1-no-sinks", "pnmix-1-no-midpoint", "pnmix-1-per-group"],
     "sweep": [f"sweep-{method}-{rate}" for method in SWEEP_METHODS for rate in sweep_rates(method)],
@@ -1145,7 +1159,14 @@ SWEEP_LABELS = {
     "kivi": "KIVI (uniform)",
     "kitty": "Kitty (4-bit channel boost, per block)",
     "pnmix": "PN-Mix (3/1-bit pairs; 4/3 above 3 bits)",
+    "polar": "PolarQuant (radius + angle per pair)",
 }
+PRESET_POINTS = {
+    "chanmix": "ChanMix (4/3/2/1-bit channel classes)",
+    "chanmix-midpoint": "ChanMix, 1-bit midpoint correction",
+    "pnmix-2": "PN-Mix(2)",
+}
+"""Presets drawn as single points beside the sweep lines of the Pareto plots, with their labels."""
 CRITERIA_LABELS = {
     "pnmix-1": "query-key pair norm (PN-Mix)",
     "pnmix-1-k-pair-norm": "key pair norm",
@@ -1174,7 +1195,9 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     panels = [
         (metric, "mean_kl")
         for metric in ("attention_kl", "long_output")
-        if _sweep_points(results, metric, "mean_kl") or builtin_points(results, metric, "mean_kl")
+        if _sweep_points(results, metric, "mean_kl")
+        or builtin_points(results, metric, "mean_kl")
+        or preset_points(results, metric, "mean_kl")
     ]
     if panels:
         figure, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.2), squeeze=False)
@@ -1184,7 +1207,7 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
             axis.set_ylabel("attention KL vs full precision" if metric == "attention_kl" else "next-token KL vs full precision")
         figure.suptitle(f"{model}: key bits vs KL (lower is better)")
         written.append(_save(figure, folder / f"{prefix}_pareto_kl.png", plt))
-    if _sweep_points(results, "long_output", "top1_agreement") or builtin_points(results, "long_output", "top1_agreement"):
+    if any(points(results, "long_output", "top1_agreement") for points in (_sweep_points, builtin_points, preset_points)):
         figure, axis = plt.subplots(figsize=(6, 4.2))
         _plot_sweep(axis, results, "long_output", "top1_agreement")
         axis.set_ylabel("top-1 agreement with full precision")
@@ -1242,19 +1265,19 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     return written
 
 
-PRESET_OF_LINE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1"}
-"""The preset measured on each sweep line (``kivi-2`` and ``pnmix-1`` are its 2.25-bit points)."""
+PRESETS_OF_LINE = {"kivi": ("kivi-2",), "kitty": ("kitty",), "pnmix": ("pnmix-1",), "polar": ("polarquant", "polarquant-3")}
+"""The presets measured on each sweep line (``kivi-2`` and ``pnmix-1`` are its 2.25-bit points)."""
 
 
 def _sweep_names(method: str) -> list[str]:
-    return [f"sweep-{method}-{rate}" for rate in sweep_rates(method)] + [PRESET_OF_LINE[method]]
+    return [f"sweep-{method}-{rate}" for rate in sweep_rates(method)] + list(PRESETS_OF_LINE[method])
 
 
 def common_prompts(results: dict) -> list[str]:
     """The long-output prompts measured for every sweep point, preset and built-in cache drawn (in prompt order)."""
     measured = results.get("long_output", {})
     drawn = [measured[name] for method in SWEEP_METHODS for name in _sweep_names(method) if name in measured]
-    drawn += [measured[name] for name in HF_METHODS if name in measured]
+    drawn += [measured[name] for name in (*HF_METHODS, *PRESET_POINTS) if name in measured]
     return [name for name in PROMPTS if drawn and all(name in record.get("per_prompt", {}) for record in drawn)]
 
 
@@ -1289,10 +1312,19 @@ def _sweep_points(results: dict, metric: str, field: str) -> dict:
 def builtin_points(results: dict, metric: str, field: str) -> dict:
     """``{method: (key bits, value)}`` of transformers' quantized caches measured for ``metric``
     (long outputs: over :func:`common_prompts`, as the sweep's points)."""
+    return _named_points(results, metric, field, HF_METHODS)
+
+
+def preset_points(results: dict, metric: str, field: str) -> dict:
+    """``{preset: (key bits, value)}`` of the single presets of :data:`PRESET_POINTS` measured for ``metric``."""
+    return _named_points(results, metric, field, PRESET_POINTS)
+
+
+def _named_points(results: dict, metric: str, field: str, names) -> dict:
     measured = results.get(metric, {})
     prompts = common_prompts(results) if metric == "long_output" else None
     points = {}
-    for name in HF_METHODS:
+    for name in names:
         record = measured.get(name)
         if record is None or field not in record:
             continue
@@ -1307,6 +1339,10 @@ def builtin_points(results: dict, metric: str, field: str) -> dict:
 def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     for method, line in _sweep_points(results, metric, field).items():
         axis.plot([bits for bits, _ in line], [value for _, value in line], marker="o", label=SWEEP_LABELS[method])
+    for name, (bits, value) in preset_points(results, metric, field).items():
+        index = list(PRESET_POINTS).index(name)  # hollow, so that a sweep point under one stays visible
+        color = f"C{index + 7}"
+        axis.scatter([bits], [value], marker="*Xp"[index], s=110, facecolors="none", edgecolors=color, label=PRESET_POINTS[name], zorder=4)
     for index, (name, (bits, value)) in enumerate(builtin_points(results, metric, field).items()):
         axis.scatter(
             [bits], [value], marker="s^vDP"[index % 5], s=50, color=f"C{index + 4}", label=f"transformers QuantizedCache: {name}", zorder=3
@@ -1315,7 +1351,7 @@ def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     prompts = len(common_prompts(results)) if metric == "long_output" else 0
     axis.set_title(metric.replace("_", " ") + (f" ({prompts} prompts)" if prompts else ""))
     axis.grid(True, alpha=0.3)
-    if builtin_points(results, metric, field):  # many labels: below the axes, clear of the points
+    if builtin_points(results, metric, field) or preset_points(results, metric, field):  # many labels: below the axes, clear of the points
         axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.24), fontsize=7, ncol=2)
     else:
         axis.legend(loc="best", fontsize=8)

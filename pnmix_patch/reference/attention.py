@@ -2,8 +2,10 @@
 
 - :func:`masked_attention`: softmax attention with GQA over given keys and values and a boolean mask.
 - :func:`chunk_attention`: exact causal attention of a chunk over itself (the prefill), through torch SDPA.
-- :func:`cache_attention`: a chunk's queries over a PN-Mix cache layer (sinks, dequantized groups,
-  residual) plus the chunk itself; the CPU path of the decode step.
+- :func:`cache_attention`: a chunk's queries over a PN-Mix cache layer (sinks, quantized groups,
+  residual) plus the chunk itself; the CPU path of the decode step, and the path of every device for
+  the layouts the fused decode kernels do not read. The quantized groups' logits come from the layer
+  (``PNMixLayer.quantized_key_logits``: dequantized keys, or PolarQuant's table lookup).
 - :func:`chunk_validity`: which tokens of a chunk are real, from transformers' 4D mask.
 """
 
@@ -26,10 +28,23 @@ def masked_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     ``query [B, Hq, T, D]``, ``keys/values [B, H, S, D]``, ``allowed`` bool broadcastable to
     ``[B, 1, T, S]``. Rows with no allowed key return zeros.
     """
+    return logits_attention(key_logits(query, keys) * scaling, values, allowed)
+
+
+def key_logits(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Unscaled float32 logits ``[B, Hq, T, S]`` of ``query [B, Hq, T, D]`` over ``keys [B, H, S, D]`` (GQA)."""
     batch, query_heads, chunk, head_dim = query.shape
     kv_heads = keys.shape[1]
     grouped = query.float().view(batch, kv_heads, query_heads // kv_heads, chunk, head_dim)
-    logits = torch.einsum("bhgtd,bhsd->bhgts", grouped, keys.float()) * scaling
+    return torch.einsum("bhgtd,bhsd->bhgts", grouped, keys.float()).reshape(batch, query_heads, chunk, keys.shape[2])
+
+
+def logits_attention(logits: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Float32 softmax attention from scaled logits ``[B, Hq, T, S]`` over ``values [B, H, S, D]`` (GQA);
+    ``allowed`` bool broadcastable to ``[B, 1, T, S]``. Rows with no allowed key return zeros."""
+    batch, query_heads, chunk, slots = logits.shape
+    kv_heads, head_dim = values.shape[1], values.shape[3]
+    logits = logits.view(batch, kv_heads, query_heads // kv_heads, chunk, slots)
     allowed = allowed.unsqueeze(1)
     weights = torch.softmax(logits.masked_fill(~allowed, NEG_INF), dim=-1)
     # A row with no allowed key is zero; NaN from a non-finite key still propagates.
@@ -68,13 +83,20 @@ def cache_attention(layer, query, key, value, valid, scaling) -> torch.Tensor:
     cached tokens are all visible. Output ``[B, Hq, T, D]`` in the query dtype.
     """
     chunk = key.shape[2]
-    quantized_keys, quantized_values = layer.quantized_keys_values()
-    keys = torch.cat([layer.sink_keys.float(), quantized_keys, layer.residual_keys.float(), key.float()], dim=2)
+    quantized_values = layer.quantized_values()
+    logits = torch.cat(
+        [
+            key_logits(query, layer.sink_keys),
+            layer.quantized_key_logits(query),
+            key_logits(query, torch.cat([layer.residual_keys, key.to(layer.residual_keys.dtype)], dim=2)),
+        ],
+        dim=-1,
+    )
     values = torch.cat([layer.sink_values.float(), quantized_values, layer.residual_values.float(), value.float()], dim=2)
     cached = torch.cat(
         [
             _segment_mask(layer.sink_len, layer.sink_keys.shape[2]),
-            _segment_mask(layer.num_groups * layer.pnmix_config.key_group_size, quantized_keys.shape[2]),
+            _segment_mask(layer.num_groups * layer.pnmix_config.key_group_size, quantized_values.shape[2]),
             _segment_mask(layer.residual_len, layer.residual_keys.shape[2]),
         ],
         dim=1,
@@ -82,7 +104,7 @@ def cache_attention(layer, query, key, value, valid, scaling) -> torch.Tensor:
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=key.device).tril()
     chunk_allowed = causal[None] & valid[:, None, :]
     allowed = torch.cat([cached[:, None, :].expand(-1, chunk, -1), chunk_allowed], dim=2)
-    return masked_attention(query, keys, values, allowed[:, None], scaling).to(query.dtype)
+    return logits_attention(logits * scaling, values, allowed[:, None]).to(query.dtype)
 
 
 def chunk_validity(attention_mask: torch.Tensor | None, batch: int, chunk: int, device, start: int | None = None) -> torch.Tensor | None:

@@ -336,6 +336,17 @@ def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
     return _thread_owned_codes(codes).to(torch.int32)
 
 
+def pack_key_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Plain bit-plane words ``int32[..., bits, G/32, C]`` of key codes ``[..., G, C]`` (packed along
+    tokens, channels innermost; no operand order)."""
+    return pack_bits(codes.transpose(-1, -2), bits).movedim(-3, -1)
+
+
+def unpack_key_codes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_key_codes`: codes ``int32[..., G, C]``."""
+    return unpack_bits(words.movedim(-1, -3)).transpose(-1, -2)
+
+
 def check_token_block(token_block: int) -> None:
     """Raise ``ValueError`` unless ``token_block`` (the key group size) is a positive multiple of 4."""
     if token_block <= 0 or token_block % 4:
@@ -455,9 +466,7 @@ def quantize_keys(
     codes, scales, zeros = [], [], []
     for part, bits in ((stored[..., :num_high], bits_high), (stored[..., num_high:], bits_low)):
         scale, zero = minmax_params(part, bits, 3, midpoint_correction, scale_dtype)
-        # Pack along tokens: move G last, pack, then put channels innermost.
-        part_codes = encode(part, scale, zero, bits).transpose(-1, -2)
-        codes.append(keys_to_operand_order(pack_bits(part_codes, bits).permute(0, 1, 2, 4, 5, 3)))
+        codes.append(keys_to_operand_order(pack_key_codes(encode(part, scale, zero, bits), bits)))
         scales.append(scale.squeeze(3))
         zeros.append(zero.squeeze(3))
     return codes[0], codes[1], torch.cat(scales, -1), torch.cat(zeros, -1)

@@ -62,7 +62,7 @@ def pairs_to_channels(pair_mask: torch.Tensor, pairing: str) -> torch.Tensor:
     raise ValueError(f"pairing={pairing!r} is invalid: allowed {PAIRINGS}")
 
 
-def _token_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def token_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """Mean of ``x [B, heads, T, P]`` over the valid tokens ``valid [B, T]`` (None: all)."""
     if valid is None:
         return x.mean(2)
@@ -83,14 +83,14 @@ def pair_scores(query: torch.Tensor, key: torch.Tensor, valid: torch.Tensor | No
     """
     batch, kv_heads = key.shape[:2]
     if criterion in ("qk_pair_norm", "k_pair_norm"):
-        score = _token_mean(pair_norms(key, pairing), valid)
+        score = token_mean(pair_norms(key, pairing), valid)
         if criterion == "qk_pair_norm":
-            query_mean = _token_mean(pair_norms(query, pairing), valid)
+            query_mean = token_mean(pair_norms(query, pairing), valid)
             # GQA: average the query heads that share a KV head before the product.
             score = score * query_mean.view(batch, kv_heads, -1, score.shape[-1]).mean(2)
         return score
     if criterion == "k_magnitude":
-        channel_score = _token_mean(key.float().abs(), valid)
+        channel_score = token_mean(key.float().abs(), valid)
     elif criterion == "k_range":
         if valid is None:
             valid = torch.ones(key.shape[0], key.shape[2], dtype=torch.bool, device=key.device)

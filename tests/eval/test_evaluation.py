@@ -170,8 +170,10 @@ def test_sweep_keeps_each_methods_identity():
         assert (kitty.selection_unit, kitty.reselection, kitty.key_bits_high) == ("channel", "per_group", 4)
     with pytest.raises(ValueError, match="rate=2.75 is invalid"):
         sweep_config("pnmix", 2.75)
-    with pytest.raises(ValueError, match="method='polar' is invalid"):
-        sweep_config("polar", 2.25)
+    polar = sweep_config("polar", 2.25)
+    assert (polar.key_format, polar.radius_bits, polar.angle_bits, polar.key_group_size) == ("polar", 2, 2, 128)
+    with pytest.raises(ValueError, match="method='chanmix' is invalid"):
+        sweep_config("chanmix", 2.25)
 
 
 def test_distinct_ngram_fraction():
