@@ -162,3 +162,15 @@ def test_static_cache_and_cache_files_refuse_the_other_formats(name, tmp_path):
             save_cache(cache, tmp_path / "cache.safetensors")
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", FORMATS)
+def test_cuda_generation_gives_the_cpu_tokens(name):
+    """On CUDA these formats decode through the PyTorch reference (never the kernels): a float32 model
+    generates the CPU's greedy tokens, over several flushes."""
+    model = patch_model(tiny_model("qwen3"), name)
+    prompt = torch.randint(1, 96, (2, 150), generator=torch.Generator().manual_seed(5))
+    settings = dict(max_new_tokens=300, do_sample=False, pad_token_id=0)
+    expected = model.generate(prompt, **settings)
+    assert torch.equal(model.cuda().generate(prompt.cuda(), **settings).cpu(), expected)
