@@ -39,15 +39,21 @@ CALLS: list[float] = []  # perf_counter() at each stubbed step
 
 
 def stubbed_step(self, input_ids, position_ids=None):
-    """A replayed step that costs nothing (the checks of the first call, then fixed logits); records when
-    it was called."""
-    CALLS.append(time.perf_counter())
+    """The first call of a step that costs nothing: the state a captured step has, then a replay."""
     if self._input_ids is None:
         self._input_ids, self._storage = input_ids.clone(), pnmix_patch.graphed_decode._storage_of(self.cache)
         self._position_ids = None if position_ids is None else position_ids.clone()
         self._logits = torch.zeros(input_ids.shape[0], 1, self.model.config.vocab_size)
         self._graph = True  # counts as captured
+    return self._replay(input_ids, position_ids)
+
+
+def stubbed_replay(self, input_ids, position_ids=None):
+    """A replay that costs nothing: copies the inputs, returns fixed logits; records when it was called."""
+    CALLS.append(time.perf_counter())
     self._input_ids.copy_(input_ids)
+    if position_ids is not None:
+        self._position_ids.copy_(position_ids)
     return self._logits
 
 
@@ -79,6 +85,7 @@ def main() -> None:
     with (
         mock.patch.object(pnmix_patch.graphed_decode, "_captures_on", lambda device: True),
         mock.patch.object(GraphedDecodeStep, "__call__", stubbed_step),
+        mock.patch.object(GraphedDecodeStep, "_replay", stubbed_replay),
     ):
         step_intervals_us(8)  # first call: builds the step
         for _ in range(args.repeats):

@@ -140,18 +140,25 @@ class GraphedDecodeStep:
             )
         if input_ids.device.type != "cuda":
             return self._step(input_ids, position_ids)
+        if self._graph is not None:
+            return self._replay(input_ids, position_ids)
         self._input_ids.copy_(input_ids)
         if position_ids is not None:
             self._position_ids.copy_(position_ids)
-        if self._graph is not None:
-            self._graph.replay()
-            return self._logits
         if self._stream is None:
             self._stream = torch.cuda.Stream(device=input_ids.device)
         if self._warmup_left > 0:
             self._warmup_left -= 1
             return self._on_capture_stream(self._step)
         return self._on_capture_stream(self._capture)
+
+    def _replay(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The captured step on inputs already checked against the first call's."""
+        self._input_ids.copy_(input_ids)
+        if position_ids is not None:
+            self._position_ids.copy_(position_ids)
+        self._graph.replay()
+        return self._logits
 
     def _compile(self, device: torch.device) -> None:
         has_pdl = device.type == "cuda" and common.has_pdl(device.index)
@@ -234,6 +241,7 @@ class GraphedGenerateCall:
         self.model = model
         self.fallback = fallback
         self.step: GraphedDecodeStep | None = None
+        self._output: CausalLMOutputWithPast | None = None  # the captured step's output, returned by every replay
         self.failure: str | None = None
         """Why the graph cannot serve (the error that building or capturing it raised), or None."""
 
@@ -251,21 +259,25 @@ class GraphedGenerateCall:
             or any(now is not then for now, then in zip(_storage_of(cache), step._storage))
         ):
             step = self.step = GraphedDecodeStep(self.model, cache)
-        if step.captured:
+            self._output = None
+        if step.captured:  # inputs checked above; every replay writes the same logits: the output made at capture serves all
+            step._replay(input_ids, position_ids)
+            return self._output
+        try:
             logits = step(input_ids, position_ids)
-        else:
-            try:
-                logits = step(input_ids, position_ids)
-            except Exception as error:  # compiling (before the step runs) or capturing (records, runs nothing): the cache is as it was
-                self.failure, self.step = f"{type(error).__name__}: {error}", None
-                warnings.warn(
-                    f"the decode step could not be captured as a CUDA graph ({self.failure}); generate goes on "
-                    "with transformers' compiled call",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                return self.fallback(**inputs)
-        return CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        except Exception as error:  # compiling (before the step runs) or capturing (records, runs nothing): the cache is as it was
+            self.failure, self.step = f"{type(error).__name__}: {error}", None
+            warnings.warn(
+                f"the decode step could not be captured as a CUDA graph ({self.failure}); generate goes on "
+                "with transformers' compiled call",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return self.fallback(**inputs)
+        output = CausalLMOutputWithPast(logits=logits, **{_OUTPUT_CACHE_FIELD: cache})
+        if step.captured:
+            self._output = output
+        return output
 
     def _serves(self, inputs: dict) -> bool:
         cache = inputs.get("cache", inputs.get("past_key_values"))

@@ -206,6 +206,52 @@ def test_generate_decode_steps_replay_one_graphed_step(monkeypatch):
     assert patch_state(model).generate_call.failure is None
 
 
+def test_generate_replays_write_one_logits_tensor_and_give_eager_tokens(monkeypatch):
+    """Once the step is captured, generate's calls go straight to its replay, which writes the same logits
+    tensor every time, and get one output object back. Simulated on CPU: "capture" at the first call, then a
+    replay runs the step and copies its logits into the captured tensor. A left-padded batch still gives
+    eager generate's tokens and logits, so no step reads a stale output."""
+    monkeypatch.setattr(graphed_decode, "_captures_on", lambda device: True)
+    replays, outputs = [], []
+
+    def capture_at_first_call(self, input_ids, position_ids=None):
+        self._compile(input_ids.device)
+        self._input_ids, self._storage = input_ids.clone(), graphed_decode._storage_of(self.cache)
+        self._position_ids = None if position_ids is None else position_ids.clone()
+        self._logits = torch.full((input_ids.shape[0], 1, self.model.config.vocab_size), float("nan"))
+        self._graph = True  # counts as captured
+        return self._replay(input_ids, position_ids)
+
+    def replay(self, input_ids, position_ids=None):
+        replays.append(self)
+        self._input_ids.copy_(input_ids)
+        if position_ids is not None:
+            self._position_ids.copy_(position_ids)
+        self._logits.copy_(self._step(self._input_ids, self._position_ids))
+        return self._logits
+
+    monkeypatch.setattr(GraphedDecodeStep, "__call__", capture_at_first_call)
+    monkeypatch.setattr(GraphedDecodeStep, "_replay", replay)
+    own_call = graphed_decode.GraphedGenerateCall.__call__
+    monkeypatch.setattr(
+        graphed_decode.GraphedGenerateCall, "__call__", lambda self, **inputs: outputs.append(own_call(self, **inputs)) or outputs[-1]
+    )
+    model = patch_model(tiny_model("llama"), SMALL)
+    model.generation_config.pad_token_id = 0
+    prompt, mask = left_padded_prompt()
+    settings = dict(attention_mask=mask, max_new_tokens=30, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    expected = model.generate(prompt, **settings)
+    compile_config = CompileConfig()
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    output = model.generate(prompt, cache_implementation="static", compile_config=compile_config, **settings)
+    assert torch.equal(output.sequences, expected.sequences)
+    for logits, expected_logits in zip(output.logits, expected.logits):
+        torch.testing.assert_close(logits, expected_logits, rtol=0, atol=1e-4)
+    assert len(replays) == 29 and len(set(replays)) == 1
+    assert len(outputs) == 29 and all(out is outputs[0] for out in outputs)
+
+
 def test_generate_call_falls_back_with_a_warning_where_capture_fails(monkeypatch):
     monkeypatch.setattr(graphed_decode, "_captures_on", lambda device: True)
 
