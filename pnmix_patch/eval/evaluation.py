@@ -62,7 +62,7 @@ from .hf_quantized import HF_METHODS, HFQuantizedMethod, require_backends, trans
 SWEEP_RATES = (3.0, 2.5, 2.25, 2.0, 1.5)
 """Average key bits of the bit-rate sweep (codes + 16-bit scale and zero per channel per group)."""
 
-SWEEP_METHODS = ("kivi", "kitty", "pnmix", "polar")
+SWEEP_METHODS = ("kivi", "kitty", "pnmix", "polar", "chanmix")
 
 PNMIX_HIGH_RATES = (4.0, 3.5)
 """PN-Mix's sweep above 3 bits (4-bit selected pairs, 3-bit others), beside 4-bit built-in caches."""
@@ -96,12 +96,20 @@ _SWEEP_FIELDS = {
         2.0: dict(radius_bits=2, angle_bits=1, key_group_size=64),
         1.5: dict(radius_bits=1, angle_bits=1, key_group_size=64),
     },
+    # 4 / 3 / 2 / 1-bit channel classes: codes average 2 bits, the group size sets the rate above 2.25;
+    # a subnormal (1-bit) class of half the channels makes 1.75-bit codes (2.0); no 1.5
+    "chanmix": {
+        3.0: dict(key_group_size=32),
+        2.5: dict(key_group_size=64),
+        2.25: dict(),
+        2.0: dict(class_fractions=(0.0625, 0.125, 0.5)),
+    },
 }
-SWEEP_BASE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1", "polar": "polarquant"}
+SWEEP_BASE = {"kivi": "kivi-2", "kitty": "kitty", "pnmix": "pnmix-1", "polar": "polarquant", "chanmix": "chanmix"}
 
 
 def sweep_config(method: str, rate: float) -> PNMixConfig:
-    """The config of ``method`` (``kivi``, ``kitty``, ``pnmix`` or ``polar``) at ``rate`` average key bits.
+    """The config of ``method`` (``kivi``, ``kitty``, ``pnmix``, ``polar`` or ``chanmix``) at ``rate`` average key bits.
 
     Mapping (head dim 64, the two models evaluated here; scale and zero are 16-bit per
     channel per group, ``32 / G`` bits):
@@ -119,6 +127,12 @@ def sweep_config(method: str, rate: float) -> PNMixConfig:
     PolarQuant (``polar``; its paper's settings are the ``polarquant`` and ``polarquant-3`` presets, 4.25 and
     3.25 bits) runs at 3.0 bits with a 3-bit radius and 2-bit angle per pair, G=64; 2.5 and 2.25 with 2 + 2
     bits, G=64 and 128; 2.0 with 2 + 1 bits and 1.5 with 1 + 1 bits, G=64.
+
+    ChanMix (``chanmix``; 4 / 3 / 2 / 1-bit channel classes whose codes average 2 bits) runs at 3.0, 2.5 and
+    2.25 bits with G=32, 64 and 128, and at 2.0 bits with half the channels subnormal (1 bit; 4, 8, 20 and
+    32 channels by class at head dim 64: 1.75-bit codes). Its classes cannot go lower without dropping the
+    4- and 3-bit ones, so it has no 1.5-bit point. The two class bit planes per sequence add 0.001-0.004
+    bits to the measured rate.
 
     PN-Mix alone also runs at 4.0 and 3.5 bits (:data:`PNMIX_HIGH_RATES`): 4-bit selected pairs,
     3-bit others, r=0.75 (24 pairs) and r=0.25 (8 pairs), G=128; values stay 2-bit.
@@ -1160,9 +1174,9 @@ SWEEP_LABELS = {
     "kitty": "Kitty (4-bit channel boost, per block)",
     "pnmix": "PN-Mix (3/1-bit pairs; 4/3 above 3 bits)",
     "polar": "PolarQuant (radius + angle per pair)",
+    "chanmix": "ChanMix (4/3/2/1-bit channel classes)",
 }
 PRESET_POINTS = {
-    "chanmix": "ChanMix (4/3/2/1-bit channel classes)",
     "chanmix-midpoint": "ChanMix, 1-bit midpoint correction",
     "pnmix-2": "PN-Mix(2)",
 }
@@ -1265,7 +1279,13 @@ def plot_results(results: dict, folder: Path, prefix: str) -> list[Path]:
     return written
 
 
-PRESETS_OF_LINE = {"kivi": ("kivi-2",), "kitty": ("kitty",), "pnmix": ("pnmix-1",), "polar": ("polarquant", "polarquant-3")}
+PRESETS_OF_LINE = {
+    "kivi": ("kivi-2",),
+    "kitty": ("kitty",),
+    "pnmix": ("pnmix-1",),
+    "polar": ("polarquant", "polarquant-3"),
+    "chanmix": ("chanmix",),
+}
 """The presets measured on each sweep line (``kivi-2`` and ``pnmix-1`` are its 2.25-bit points)."""
 
 

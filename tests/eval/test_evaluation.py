@@ -33,6 +33,7 @@ from pnmix_patch.eval.evaluation import (
     run_evaluation,
     summary_table,
     sweep_config,
+    sweep_rates,
     wilson_interval,
 )
 from pnmix_patch.eval.fidelity import reference_logits, teacher_force
@@ -153,8 +154,7 @@ def test_teacher_force_per_step_diagnostics_match_the_aggregates():
     assert "step_kl" not in teacher_force(model, ids, PRESETS["kivi-2"], 100, reference, progress=False)
 
 
-@pytest.mark.parametrize("method", SWEEP_METHODS)
-@pytest.mark.parametrize("rate", SWEEP_RATES)
+@pytest.mark.parametrize(("method", "rate"), [(method, rate) for method in SWEEP_METHODS for rate in sweep_rates(method)])
 def test_sweep_rates_map_to_their_key_bits(method, rate):
     config = sweep_config(method, rate)
     tolerance = 0.02 if method == "kitty" else 1e-12  # kitty rounds to whole channels at head dim 64
@@ -172,8 +172,14 @@ def test_sweep_keeps_each_methods_identity():
         sweep_config("pnmix", 2.75)
     polar = sweep_config("polar", 2.25)
     assert (polar.key_format, polar.radius_bits, polar.angle_bits, polar.key_group_size) == ("polar", 2, 2, 128)
-    with pytest.raises(ValueError, match="method='chanmix' is invalid"):
-        sweep_config("chanmix", 2.25)
+    assert sweep_config("chanmix", 2.25).replace(name="chanmix") == PRESETS["chanmix"]
+    assert sweep_config("chanmix", 2.0).class_bits == PRESETS["chanmix"].class_bits
+    assert sweep_rates("chanmix") == (3.0, 2.5, 2.25, 2.0)
+    assert set(sweep_rates("kivi")) == set(SWEEP_RATES)
+    with pytest.raises(ValueError, match="method='polarquant' is invalid"):
+        sweep_config("polarquant", 2.25)
+    with pytest.raises(ValueError, match=r"rate=1.5 is invalid: allowed \(3.0, 2.5, 2.25, 2.0\)"):
+        sweep_config("chanmix", 1.5)
 
 
 def test_distinct_ngram_fraction():
