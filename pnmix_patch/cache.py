@@ -92,13 +92,11 @@ KEY_CODE_FIELDS = {
 }
 """The packed key code tensors of each key format."""
 
-_FORMAT_STATE = {
-    key_format: tuple(name for name in _STATE if name not in (*KEY_CODE_FIELDS["channel"], "pair_mask_bits"))
-    + fields
-    + (("pair_mask_bits",) if key_format == "channel" else ())
-    + (("channel_class_bits",) if key_format == "channel_classes" else ())
-    for key_format, fields in KEY_CODE_FIELDS.items()
-}
+_FORMAT_ONLY_STATE = {"channel": ("pair_mask_bits",), "polar": (), "channel_classes": ("channel_class_bits",)}
+"""State besides the key codes that one key format has and the others lack (only the per-channel format
+selects pairs; the channel classes are stored as bit planes)."""
+_SHARED_STATE = tuple(name for name in _STATE if name not in KEY_CODE_FIELDS["channel"] + _FORMAT_ONLY_STATE["channel"])
+_FORMAT_STATE = {key_format: _SHARED_STATE + fields + _FORMAT_ONLY_STATE[key_format] for key_format, fields in KEY_CODE_FIELDS.items()}
 _ALL_STATE = tuple(dict.fromkeys(name for names in _FORMAT_STATE.values() for name in names))
 
 

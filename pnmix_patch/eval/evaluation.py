@@ -1362,7 +1362,9 @@ def _plot_sweep(axis, results: dict, metric: str, field: str) -> None:
     for name, (bits, value) in preset_points(results, metric, field).items():
         index = list(PRESET_POINTS).index(name)  # hollow, so that a sweep point under one stays visible
         color = f"C{index + 7}"
-        axis.scatter([bits], [value], marker="*Xp"[index], s=110, facecolors="none", edgecolors=color, label=PRESET_POINTS[name], zorder=4)
+        axis.scatter(
+            [bits], [value], marker="*Xp"[index % 3], s=110, facecolors="none", edgecolors=color, label=PRESET_POINTS[name], zorder=4
+        )
     for index, (name, (bits, value)) in enumerate(builtin_points(results, metric, field).items()):
         axis.scatter(
             [bits], [value], marker="s^vDP"[index % 5], s=50, color=f"C{index + 4}", label=f"transformers QuantizedCache: {name}", zorder=3
