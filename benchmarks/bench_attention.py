@@ -3,6 +3,7 @@
     python benchmarks/bench_attention.py [--out DIR] [--quick]
     python benchmarks/bench_attention.py --sweep-mma   # the Gluon kernel's shared stages x register cap x splits
     python benchmarks/bench_attention.py --sweep-occupancy   # its register cap x split slots, batch 1 to 580
+    python benchmarks/bench_attention.py --sweep-pnmix2-factors   # pnmix-2's group size and channel counts apart
 
 1. Correctness: the Triton pack kernels against the PyTorch reference (bit-exact, fp16
    and bf16); fused decode attention against the float32 reference (relative error,
@@ -441,6 +442,34 @@ def sweep_mma(device) -> list[dict]:
     return rows
 
 
+PNMIX2_FACTORS = {
+    "pnmix-1": PNMixConfig(),
+    "pnmix-1, G=64": PNMixConfig(key_group_size=64),
+    "pnmix-2, G=128": PNMixConfig(pair_ratio=0.4),
+    "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64),
+    "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2),
+}
+"""pnmix-2's two differences from pnmix-1 apart: its 64-token groups, and its 52 / 76-channel code
+tensors (byte-transposed words, not thread-owned ones: ``reference.quantize.thread_owned_keys``)."""
+
+
+def sweep_pnmix2_factors(device) -> list[dict]:
+    """The op's time (bf16) for :data:`PNMIX2_FACTORS` beside bf16 SDPA at 32K tokens, batch 32, 8 and 1."""
+    rows = []
+    for batch, tokens in ((32, 32768), (8, 32768), (1, 32768)):
+        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        kv = torch.randn(2, batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, kv[0], kv[1], enable_gqa=True))
+        del kv
+        for name, config in PNMIX2_FACTORS.items():
+            args = build_cache(config, batch, tokens, torch.bfloat16, device)
+            ms = median_ms(lambda: decode_attention(*args))
+            rows.append({"batch": batch, "context": tokens, "config": name, "ms": ms, "speed_vs_sdpa": sdpa_ms / ms})
+            print(f"  B={batch:2d} T={tokens:6d} {name:16s} {ms * 1e3:8.1f} us = {sdpa_ms / ms:.2f}x SDPA", flush=True)
+            del args
+    return rows
+
+
 def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
     pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
@@ -493,6 +522,7 @@ def main() -> None:
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
     parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's groups-in-flight, register-cap and split sweep")
+    parser.add_argument("--sweep-pnmix2-factors", action="store_true", help="only pnmix-2's group size and channel counts apart")
     parser.add_argument(
         "--sweep-occupancy",
         action="store_true",
@@ -518,6 +548,7 @@ def main() -> None:
         ("sweep_splits", sweep_splits, "split"),
         ("sweep_mma", sweep_mma, "mma"),
         ("sweep_occupancy", sweep_occupancy, "occupancy"),
+        ("sweep_pnmix2_factors", sweep_pnmix2_factors, "pnmix2_factors"),
     )
     for flag, sweep, name in sweeps:
         if getattr(args, flag):

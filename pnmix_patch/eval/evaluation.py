@@ -162,6 +162,8 @@ def method_configs() -> dict[str, PNMixConfig]:
     methods["pnmix-1-no-sinks"] = pnmix1.replace(sink_tokens=0, name="pnmix-1-no-sinks")
     methods["pnmix-1-no-midpoint"] = pnmix1.replace(midpoint_correction=False, name="pnmix-1-no-midpoint")
     methods["pnmix-1-per-group"] = pnmix1.replace(reselection="per_group", name="pnmix-1-per-group")
+    for bits in (4, 8):  # how much of the error is the values': wider values, the same keys
+        methods[f"pnmix-1-values-{bits}"] = pnmix1.replace(value_bits=bits, name=f"pnmix-1-values-{bits}")
     methods["chanmix-midpoint"] = PRESETS["chanmix"].replace(midpoint_correction=True, name="chanmix-midpoint")
     for method in SWEEP_METHODS:
         for rate in sweep_rates(method):
