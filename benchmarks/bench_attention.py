@@ -473,9 +473,9 @@ def sweep_pnmix2_factors(device) -> list[dict]:
 def sweep_occupancy(device) -> list[dict]:
     """Register cap (programs resident per multiprocessor) x the slot count the split rule fills, for
     pnmix-1 and pnmix-2 (bf16) at small and serving-size batches; a split count reached by two slot
-    counts is timed once; the launch default (``default_splits``, ``register_cap``) flagged."""
+    counts is timed once; the launch default (``default_splits``, ``MAX_REGISTERS``) flagged."""
     from pnmix_patch.kernels.common import multiprocessors, wave_filling_splits
-    from pnmix_patch.kernels.decode_attention_mma import default_splits, mma_decode_attention, register_cap
+    from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, default_splits, mma_decode_attention
 
     rows = []
     sms = multiprocessors(device.index or 0)
@@ -491,7 +491,7 @@ def sweep_occupancy(device) -> list[dict]:
                         continue
                     timed.add(splits)
                     ms = median_ms(lambda: mma_decode_attention(*args, num_splits=splits, max_registers=registers))
-                    flag = splits == default and registers == register_cap(32 * args[5].shape[4], Q_HEADS // KV_HEADS)
+                    flag = splits == default and registers == MAX_REGISTERS
                     rows.append(
                         {
                             "preset": preset,

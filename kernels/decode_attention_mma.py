@@ -21,7 +21,7 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   transposed on the way. Thread-owned key words
   (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word
   of a 32-channel chunk holds all its registers' bits, rows g and g + 8 of its warp's two 16-token
-  tiles (:func:`step_tokens` 128; a 64-token step uses one tile's) by the chunk's two halves; a warp reads 32 consecutive
+  tiles (a group's 128 tokens of a step; of 64 tokens, one tile's) by the chunk's two halves; a warp reads 32 consecutive
   words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
   register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
   (:func:`_key_row_factors`); a pair of planes is two field words, one per half, and ``(word >> row
@@ -66,17 +66,18 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   key words holds each tile's planes only, the second tile's after the first's
   (:func:`_copy_offsets`), so no copy writes zeros for planes a tile lacks.
 - Key groups are staged in shared memory: ``STAGES`` buffers, the operands read from the buffer
-  itself. While a group's key products run, the ``cp.async`` copies of the codes of the next
-  ``STAGES - 2`` groups are in flight; the copy of the group after them starts once the group's
-  scores are made, and runs during its softmax and value products (the stage count:
-  :func:`default_splits`). The 16-bit scales and zeros, whose
+  itself. A stage holds one group, or two consecutive 64-token groups (their codes, scales and zeros
+  are consecutive in the cache, so one copy takes both). While a stage's key products run, the
+  ``cp.async`` copies of the codes of the next ``STAGES - 2`` stages are in flight; the copy of the
+  stage after them starts once the stage's scores are made, and runs during its softmax and value
+  products (the stage count: :func:`default_splits`). The 16-bit scales and zeros, whose
   alignment ``cp.async`` cannot assume, go through
-  registers and are stored once the group's last step has read its token scales. The value words'
+  registers and are stored once the stage's last step has read its token scales. The value words'
   buffer is swizzled (:func:`value_shared_layout`). Without staging the
   kernel would wait on memory.
-- One barrier per group, the group's codes arrived (and its query operands are stored), and two per
-  step: the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A group's query
-  operands and factors (:func:`_group_operands`) are made during the value products of the group
+- One barrier per stage, the stage's codes arrived (and its query operands are stored), and two per
+  step: the 4 warps' score maxima exchanged (:func:`_column_max`); p stored. A stage's query
+  operands and factors (:func:`_group_operands`) are made during the value products of the stage
   before, where they fill the products' wait; the next copy is started and the stage's scales and
   zeros refilled after the last step's score-maximum barrier. (Triton's own
   cross-warp reductions take two barriers each, and its barrier analysis adds one between a write
@@ -90,17 +91,20 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   broadcasting back and reshaping is free (``convert_layout(..., assert_trivial=True)`` checks it
   at compile time).
 
-One step of a key group covers 128 tokens (4 warps x 2 x 16 rows; 64 where the group is 64
-tokens or the value codes have 4 bits, see :func:`step_tokens`): one softmax update per step.
-A split takes whole key groups (``G`` a power of two, at least 64). The query heads of a KV head
-are the MMA's N dimension (8 or 16).
+A step covers 128 tokens (4 warps x 2 x 16 rows; 64 where the value codes have 4 bits, see
+:func:`step_tokens`): one softmax update per step. With 64-token groups (``pnmix-2``) a step covers
+two groups: the rows of a warp's first 16-row tile are the first group's, those of its second tile
+the second's (:func:`_join_groups`), and each group's key and value products are made on its own
+operands (its query times its channel scales; its token scales' peak), so groups of any size take
+the softmax, the barriers and the accumulator rescaling of 128-token steps. A split takes whole
+stages (``G`` a power of two, at least 64; its last stage may hold one group of two). The query
+heads of a KV head are the MMA's N dimension (8 or 16).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
 
 import torch
 import triton
@@ -121,10 +125,7 @@ STAGES = 3
 """Shared buffers of key groups: ``STAGES - 2`` groups' copies in flight during a group's key products, one more during
 its value products (see the module docstring and :func:`default_splits`)."""
 MAX_REGISTERS = 128
-"""Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`);
-:data:`MAX_REGISTERS_64` for 64-token groups (:func:`register_cap`)."""
-MAX_REGISTERS_64 = 96
-"""Registers per thread for 64-token key groups (pnmix-2) at up to 4 query heads per KV head: five programs per multiprocessor."""
+"""Registers per thread (Triton's ``maxnreg``): four programs per multiprocessor (see :func:`default_splits`)."""
 _barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier  # renamed in Triton 3.7
 
 
@@ -207,14 +208,22 @@ def _a8_operand_bases(rows: int, cols: int) -> tuple[list, list, list]:
 
 
 def step_tokens(group_size: int, value_bits: int) -> int:
-    """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the group
-    holds a multiple of it and the value codes have 2 bits, else 64 (4-bit values). A step makes
-    one softmax update (one cross-warp maximum, one rescaling of the accumulators). A step's
-    integer value sums stay inside int32: with 2-bit fields a byte reads at most 128 in magnitude,
-    weighted 4^m over the b/2 field words, so they reach at most T x (2^b - 1) / 3 x 128 x 127 x 128
-    (the high part's weight), 1.3e9 even for 4-bit values at 128 tokens. 4-bit values nonetheless
-    take 64-token steps (128-token steps are untimed for them)."""
-    return 128 if group_size % 128 == 0 and value_bits <= 2 else 64
+    """Tokens per step of the packed groups: 128 (4 warps x 32 rows of the MMA) where the value codes
+    have 2 bits, else 64 (4-bit values). A step makes one softmax update (one cross-warp maximum, one
+    rescaling of the accumulators); with 64-token groups a 128-token step covers two groups
+    (:func:`group_step_tokens`). A step's integer value sums stay inside int32: with 2-bit fields a
+    byte reads at most 128 in magnitude, weighted 4^m over the b/2 field words, so they reach at most
+    T x (2^b - 1) / 3 x 128 x 127 x 128 (the high part's weight), 1.3e9 even for 4-bit values at 128
+    tokens. 4-bit values nonetheless take 64-token steps (128-token steps are untimed for them)."""
+    return 128 if value_bits <= 2 else 64
+
+
+def group_step_tokens(group_size: int, value_bits: int) -> int:
+    """Tokens of one key group in a step: the step's (:func:`step_tokens`), or the whole group where a
+    step covers two groups (64-token groups, 128-token steps). Each group of a step has its own query
+    operands and value scale, so the products of a step are made group by group, on operands of this
+    many tokens; only the softmax update is shared."""
+    return min(step_tokens(group_size, value_bits), group_size)
 
 
 def top_field_correction(value_bits: int) -> float:
@@ -229,19 +238,6 @@ def paired_columns(ratio: int) -> bool:
     """Whether the MMA's 8 columns hold each of the ``ratio`` query heads twice, its high and low 8-bit
     parts side by side (at most 4 heads per KV head; see the kernel)."""
     return ratio <= 4
-
-
-def register_cap(group_size: int, ratio: int) -> int:
-    """Registers per thread (Triton's ``maxnreg``) for key groups of ``group_size`` tokens and
-    ``ratio`` query heads per KV head: 96 for 64-token groups with at most 4 heads (paired columns),
-    five programs per multiprocessor; else 128, four programs. The 96-register cap covers the
-    configuration it is measured on: 64-token groups with 2-bit values at 4 heads (a step of 64
-    tokens holds half the state of a 128-token one). At 96 registers that build spills only outside
-    its packed loop, in the sink and residual loops (head dim 128, 4 heads); other head counts are
-    untimed at 96, hence the bound on ``ratio``. On an H200, 96 registers are slightly faster than 128
-    for pnmix-2's 64-token groups and no faster for 128-token groups (pnmix-1, kivi-2).
-    """
-    return MAX_REGISTERS_64 if group_size == 64 and paired_columns(ratio) else MAX_REGISTERS
 
 
 def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
@@ -290,13 +286,14 @@ def _value_byte_layout(head_dim: int, tokens: int) -> gl.DistributedLinearLayout
 
 
 @functools.cache
-def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_distance: int) -> dict:
+def layouts(head_dim: int, high_width: int, query_rows: int, groups: int, tokens: int, key_distance: int) -> dict:
     """The kernel's layouts (constexpr arguments) for ``head_dim``, a first key tile ``high_width``
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
     are half the head wide), ``query_rows`` rows of query operands (the query heads per KV head
-    rounded up to a power of two: 4 when the columns are paired, see the kernel), ``tokens``
-    per step of the packed groups and, for thread-owned key words, their ``key_distance`` (0: the
-    words of runs of four channels byte-transposed)."""
+    rounded up to a power of two: 4 when the columns are paired, see the kernel) for each of the
+    ``groups`` key groups of a step, ``tokens`` of a group per step (:func:`group_step_tokens`) and,
+    for thread-owned key words, their ``key_distance`` (0: the words of runs of four channels
+    byte-transposed)."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     low_width = head_dim - high_width
     if key_distance:
@@ -317,20 +314,22 @@ def layouts(head_dim: int, high_width: int, query_rows: int, tokens: int, key_di
         KEY_BYTES_LOW=key_low,
         KEY_WORDS_HIGH=key_words_high,
         KEY_WORDS_LOW=key_words_low,
-        QUERY=query_layout(query_rows, high_width if 0 < high_width < head_dim else head_dim),
+        QUERY=query_layout(groups, query_rows, high_width if 0 < high_width < head_dim else head_dim),
         VALUE_BYTES=_value_byte_layout(head_dim, tokens),
     )
 
 
-def query_layout(rows: int, cols: int) -> gl.BlockedLayout:
-    """A blocked layout of the 4 warps over ``[rows, cols]``: up to 4 consecutive elements of a row per
-    thread, lanes along the row, warps along the columns only where the rows are fewer than the warps
-    (a tensor of fewer than 128 elements is then held more than once). Used for the query operands
-    ``[query heads, tile width]``: with 4 or more heads a row's reduction stays within a warp."""
+def query_layout(groups: int, rows: int, cols: int) -> gl.BlockedLayout:
+    """A blocked layout of the 4 warps over ``[groups, rows, cols]``: every group in each thread's
+    registers, and over ``[rows, cols]`` up to 4 consecutive elements of a row per thread, lanes along
+    the row, warps along the columns only where the rows are fewer than the warps (a tensor of fewer
+    than 128 elements per group is then held more than once). Used for the query operands ``[key
+    groups of a step, query heads, tile width]``: with 4 or more heads a row's reduction stays within
+    a warp."""
     vector = max(1, min(4, rows * cols // (32 * NUM_WARPS)))
     lanes_col = min(32, cols // vector)
     warps_col = max(1, min(NUM_WARPS, cols // (vector * lanes_col)))
-    return gl.BlockedLayout([1, vector], [32 // lanes_col, lanes_col], [NUM_WARPS // warps_col, warps_col], [1, 0])
+    return gl.BlockedLayout([groups, 1, vector], [1, 32 // lanes_col, lanes_col], [1, NUM_WARPS // warps_col, warps_col], [2, 1, 0])
 
 
 def _accumulator_bases(rows: int, columns: int) -> tuple[list, list, list]:
@@ -464,21 +463,27 @@ def _copy_offsets(
     W_HIGH: gl.constexpr,
     KEY_ROWS: gl.constexpr,
     LOW_ROW: gl.constexpr,
+    STAGE_GROUPS: gl.constexpr,
     COPY_KEYS: gl.constexpr,
     COPY_VALUES: gl.constexpr,
 ):
-    """What :func:`_copy_group_codes` reads of a group, relative to the group's first word, made once
-    per program: the key words ``[KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width), the first key
-    tile's planes from row 0 on and the second's from row ``LOW_ROW`` on (row p * G / 32 + w of a
-    tile: word row w of its plane p; ``[q, b]``: word 4q + b of the row, the tile's stored channel 4q
-    + b, as the cache holds them in operand order: thread-owned or byte quads) as offsets into the
-    high or the low codes (``is_high``), ``present`` where the channel has the plane (zeros
-    elsewhere: a first tile's channels past ``C_HIGH`` that have fewer planes, and the padding rows);
-    the value words ``[b_V * D / 32 * 4, G / 4]`` (the group's, in their order)."""
+    """What :func:`_copy_group_codes` reads of a stage's ``STAGE_GROUPS`` consecutive groups, relative
+    to the first group's first word, made once per program: the key words ``[STAGE_GROUPS *
+    KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width; group g's from row g * KEY_ROWS on), of each
+    group the first key tile's planes from row 0 on and the second's from row ``LOW_ROW`` on (row p *
+    G / 32 + w of a tile: word row w of its plane p; ``[q, b]``: word 4q + b of the row, the tile's
+    stored channel 4q + b, as the cache holds them in operand order: thread-owned or byte quads) as
+    offsets into the high or the low codes (``is_high``), ``present`` where the channel has the plane
+    (zeros elsewhere: a first tile's channels past ``C_HIGH`` that have fewer planes, and the padding
+    rows); the value words ``[STAGE_GROUPS * b_V * D / 32 * 4, G / 4]`` (the groups', in their order:
+    consecutive groups' value words are consecutive); and each key and value row's group in the stage."""
     WORDS: gl.constexpr = G // 32
     W_LOW: gl.constexpr = D - W_HIGH
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
-    row = gl.expand_dims(gl.expand_dims(gl.arange(0, KEY_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS))), 1), 2)
+    V_ROWS: gl.constexpr = BITS_V * (D // 32) * 4
+    row = gl.arange(0, STAGE_GROUPS * KEY_ROWS, layout=gl.SliceLayout(1, gl.SliceLayout(2, COPY_KEYS)))
+    key_group = gl.expand_dims(gl.expand_dims(row // KEY_ROWS, 1), 2)
+    row = gl.expand_dims(gl.expand_dims(row % KEY_ROWS, 1), 2)
     quad = gl.expand_dims(gl.expand_dims(gl.arange(0, W_TILE // 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, COPY_KEYS))), 0), 2)
     within = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_KEYS))), 0), 1)
     in_low = (row >= LOW_ROW) & (W_LOW > 0)  # rows of the second tile (and the padding after it)
@@ -486,11 +491,15 @@ def _copy_offsets(
     plane = tile_row // WORDS
     channel = gl.where(in_low, W_HIGH, 0) + 4 * quad + within
     is_high = channel < C_HIGH
-    key_offsets = gl.where(is_high, tile_row * C_HIGH + channel, tile_row * (D - C_HIGH) + (channel - C_HIGH))
+    key_offsets = gl.where(
+        is_high,
+        key_group * (BITS_HIGH * WORDS * C_HIGH) + tile_row * C_HIGH + channel,
+        key_group * (BITS_LOW * WORDS * (D - C_HIGH)) + tile_row * (D - C_HIGH) + (channel - C_HIGH),
+    )
     present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW)
-    value_row = gl.expand_dims(gl.arange(0, BITS_V * (D // 32) * 4, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
+    value_row = gl.expand_dims(gl.arange(0, STAGE_GROUPS * V_ROWS, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
     quad = gl.expand_dims(gl.arange(0, G // 4, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
-    return is_high, key_offsets, present, value_row * (G // 4) + quad
+    return is_high, key_offsets, present, key_group, value_row * (G // 4) + quad, value_row // V_ROWS
 
 
 @gluon.jit
@@ -499,7 +508,7 @@ def _copy_group_codes(
     value_smem,
     stage,
     group,
-    valid,
+    count,
     kc_high,
     kc_low,
     v_codes,
@@ -511,32 +520,49 @@ def _copy_group_codes(
     BITS_LOW: gl.constexpr,
     BITS_V: gl.constexpr,
 ):
-    """Start the asynchronous copies of key group ``group``'s codes of one head (pointers: the head's
-    bases; ``offsets``: :func:`_copy_offsets`) into ``stage`` of the shared buffers: the key words
-    (runs of four words of a word row, as stored) and the value words (the group's, in operand
-    order). Nothing is read when not ``valid`` (a group past this split's end). One
-    copy per buffer: copies into one buffer are each fenced by a barrier."""
-    is_high, key_offsets, present, value_offsets = offsets
+    """Start the asynchronous copies of the codes of one head's key groups from ``group`` on, a
+    stage's worth (pointers: the head's bases; ``offsets``: :func:`_copy_offsets`), into ``stage`` of
+    the shared buffers: the key words (runs of four words of a word row, as stored) and the value
+    words (the groups', in operand order). Only the first ``count`` groups are read (the others are
+    past this split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
+    is_high, key_offsets, present, key_group, value_offsets, value_group = offsets
     WORDS: gl.constexpr = G // 32
     key_base = gl.where(is_high, kc_high + group * (BITS_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * (D - C_HIGH)))
-    async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & valid)
-    async_copy.async_copy_global_to_shared(value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets, mask=valid)
+    async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & (key_group < count))
+    async_copy.async_copy_global_to_shared(
+        value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets, mask=value_group < count
+    )
 
 
 @gluon.jit
 def _load_group_params(
-    group, valid, k_scale, k_zero, v_scale, v_zero, D: gl.constexpr, G: gl.constexpr, PARAMS_D: gl.constexpr, PARAMS_G: gl.constexpr
+    group,
+    count,
+    k_scale,
+    k_zero,
+    v_scale,
+    v_zero,
+    D: gl.constexpr,
+    G: gl.constexpr,
+    STAGE_GROUPS: gl.constexpr,
+    PARAMS_D: gl.constexpr,
+    PARAMS_G: gl.constexpr,
 ):
-    """Key scales and zeros ``[2, D]`` and value scales and zeros ``[2, G]`` (row 0: scales, row 1:
-    zeros) of key group ``group`` (16-bit, any alignment: plain loads, stored to shared memory later
-    by :func:`_store_group_params`)."""
+    """Key scales and zeros ``[2, STAGE_GROUPS * D]`` and value scales and zeros ``[2, STAGE_GROUPS *
+    G]`` (row 0: scales, row 1: zeros; each group's after the one before: they are consecutive in the
+    cache) of the key groups from ``group`` on, of which the first ``count`` are read (16-bit, any
+    alignment: plain loads, stored to shared memory later by :func:`_store_group_params`)."""
     is_scale_d = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_D)), 1) == 0
-    d = gl.expand_dims(gl.arange(0, D, layout=gl.SliceLayout(0, PARAMS_D)), 0) + group * D
+    d = gl.expand_dims(gl.arange(0, STAGE_GROUPS * D, layout=gl.SliceLayout(0, PARAMS_D)), 0)
     is_scale_g = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_G)), 1) == 0
-    t = gl.expand_dims(gl.arange(0, G, layout=gl.SliceLayout(0, PARAMS_G)), 0) + group * G
+    t = gl.expand_dims(gl.arange(0, STAGE_GROUPS * G, layout=gl.SliceLayout(0, PARAMS_G)), 0)
+    d_mask = d // D < count
+    t_mask = t // G < count
+    d += group * D
+    t += group * G
     return (
-        gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=valid),
-        gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=valid),
+        gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=d_mask),
+        gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=t_mask),
     )
 
 
@@ -671,17 +697,20 @@ def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.const
 
 @gluon.jit
 def _query_operands(query_high_smem, query_low_smem, x, inverse, ROWS: gl.constexpr, PAIRED: gl.constexpr):
-    """Store the 8-bit query operands of one key tile for this group, ``y = x * inverse`` (``x = q *
-    scale`` ``[ROWS, W]``, ``inverse``: 127 / the column's largest ``|x|``) split by
-    :func:`_split_8bit`, into the two buffers ``[ROWS, W]`` of the high and low parts (``PAIRED``:
-    head j's into rows 2j and 2j + 1 of ``query_high_smem``). One store per buffer
-    (stores into one buffer are each fenced by a barrier)."""
+    """Store the 8-bit query operands of one key tile for the stage's groups, ``y = x * inverse`` (``x =
+    q * scale`` ``[groups, ROWS, W]``, ``inverse``: 127 / the column's largest ``|x|`` in the group)
+    split by :func:`_split_8bit`, into the two buffers ``[groups * BLOCK_Q, W]`` of the high and low
+    parts, group g's from row g * BLOCK_Q on (``PAIRED``: head j's into rows 2j and 2j + 1 of the
+    group's rows of ``query_high_smem``). One store per buffer (stores into one buffer are each
+    fenced by a barrier)."""
     high, low = _split_8bit(x * inverse)
+    GROUPS: gl.constexpr = x.shape[0]
     if PAIRED:
-        query_high_smem.store(_int8(gl.reshape(gl.permute(gl.join(high, low), [0, 2, 1]), [2 * ROWS, x.shape[1]])))
+        operands = gl.reshape(gl.permute(gl.join(high, low), [0, 1, 3, 2]), [GROUPS * 2 * ROWS, x.shape[2]])
+        query_high_smem.store(_int8(operands))
     else:
-        query_high_smem.store(_int8(high))
-        query_low_smem.store(_int8(low))
+        query_high_smem.store(_int8(gl.reshape(high, [GROUPS * ROWS, x.shape[2]])))
+        query_low_smem.store(_int8(gl.reshape(low, [GROUPS * ROWS, x.shape[2]])))
 
 
 @gluon.jit
@@ -713,55 +742,75 @@ def _group_operands(
     value_unit,
     D: gl.constexpr,
     G: gl.constexpr,
+    T: gl.constexpr,
+    STAGE_GROUPS: gl.constexpr,
     W_HIGH: gl.constexpr,
     QUERY_ROWS: gl.constexpr,
     PAIRED: gl.constexpr,
     QUERY: gl.constexpr,
     GROUP_PER_WARP: gl.constexpr,
+    SCORES: gl.constexpr,
 ):
-    """The operands of the key group whose scales and zeros are in ``stage``: the 8-bit query operands
-    of both key tiles and the columns' score scale and offset, stored to shared memory (``q_high``,
-    ``q_low``: the query of each tile's channels times ``qk_scale``, ``[QUERY_ROWS, W]``); returned,
-    the values' factors: the inverse that makes ``p * token scale`` 8-bit (:func:`_split_8bit`) and the
-    accumulators' scale per channel row (``value_unit`` times the group's largest token scale / (127 *
-    128)). Needs no barrier of its own: the kernel calls it where every warp is done with the previous
-    group's operands, after the value products in source order (``ptxas`` then interleaves the two;
-    placed before them, its shared stores would keep the products' shared loads waiting)."""
+    """The operands of the ``STAGE_GROUPS`` key groups whose scales and zeros are in ``stage``: the 8-bit
+    query operands of both key tiles and the columns' score scale and offset of each group, stored to
+    shared memory (``q_high``, ``q_low``: the query of each tile's channels times ``qk_scale``,
+    ``[QUERY_ROWS, W]``); returned, the values' factors: the inverse that makes ``p * token scale``
+    8-bit (:func:`_split_8bit`) for each of a step's ``T`` tokens (``[T, 1]`` in ``SCORES``: its group's)
+    and each group's scale of the accumulators per channel row (``value_unit`` times the group's
+    largest token scale / (127 * 128); the second is the first's when a step has one group). Needs no
+    barrier of its own: the kernel calls it where every warp is done with the previous stage's
+    operands, after the value products in source order (``ptxas`` then interleaves the two; placed
+    before them, its shared stores would keep the products' shared loads waiting)."""
     W_LOW: gl.constexpr = D - W_HIGH
     # q . (zero + code * scale) = (q * scale) . code + q . zero, with q * scale in 8-bit parts of one
-    # scale per column (its largest |q * scale| is 127). Scales and zeros, flat: [0, N) scales, [N, 2N) zeros.
-    key_params = key_param_smem.index(stage).reshape([2 * D])
-    value_params = value_param_smem.index(stage).reshape([2 * G])
+    # scale per column and group (its largest |q * scale| is 127). Per group g: scales in row g, zeros
+    # in row STAGE_GROUPS + g.
+    key_params = key_param_smem.index(stage).reshape([2 * STAGE_GROUPS, D])
     # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-    value_peak = gl.max(value_params.slice(0, G).load(GROUP_PER_WARP).to(gl.float32), 0)
+    value_scales = value_param_smem.index(stage).reshape([2 * STAGE_GROUPS, G]).slice(0, STAGE_GROUPS, 0)
+    value_peak = gl.max(value_scales.load(GROUP_PER_WARP).to(gl.float32), 1)  # [STAGE_GROUPS]
     value_inverse = _operand_inverse(value_peak)
-    value_scale = value_unit * (value_peak * (1.0 / (127.0 * 128.0)))
-    # Per column: the largest |q * scale| and sum(q * zero), one reduction each.
+    groups = gl.arange(0, STAGE_GROUPS, layout=gl.SliceLayout(1, GROUP_PER_WARP))
+    first_peak = gl.sum(gl.where(groups == 0, value_peak, 0.0), 0)
+    value_scale = value_unit * (first_peak * (1.0 / (127.0 * 128.0)))
+    second_scale = value_scale
+    token_inverse = gl.zeros([T], gl.float32, gl.SliceLayout(1, SCORES)) + gl.sum(gl.where(groups == 0, value_inverse, 0.0), 0)
+    if STAGE_GROUPS == 2:  # the step's second half of tokens: the second group's
+        second_scale = value_unit * (gl.sum(gl.where(groups == 1, value_peak, 0.0), 0) * (1.0 / (127.0 * 128.0)))
+        second_tokens = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES)) >= T // 2
+        token_inverse = gl.where(second_tokens, gl.sum(gl.where(groups == 1, value_inverse, 0.0), 0), token_inverse)
+    # Per group and column: the largest |q * scale| and sum(q * zero), one reduction each ([groups, QUERY_ROWS, W]).
+    PARAMS: gl.constexpr = gl.SliceLayout(1, QUERY)
     if W_HIGH > 0:
-        x_high = q_high * gl.expand_dims(key_params.slice(0, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        x_high = gl.expand_dims(q_high, 0) * gl.expand_dims(
+            key_params.slice(0, STAGE_GROUPS, 0).slice(0, W_HIGH, 1).load(PARAMS).to(gl.float32), 1
+        )
         terms = gl.abs(x_high)
-        offsets = q_high * gl.expand_dims(key_params.slice(D, W_HIGH).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        zeros = key_params.slice(STAGE_GROUPS, STAGE_GROUPS, 0).slice(0, W_HIGH, 1).load(PARAMS).to(gl.float32)
+        offsets = gl.expand_dims(q_high, 0) * gl.expand_dims(zeros, 1)
     if W_LOW > 0:
-        x_low = q_low * gl.expand_dims(key_params.slice(W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        scales = key_params.slice(0, STAGE_GROUPS, 0).slice(W_HIGH, W_LOW, 1).load(PARAMS).to(gl.float32)
+        x_low = gl.expand_dims(q_low, 0) * gl.expand_dims(scales, 1)
         low_terms = gl.abs(x_low)
-        low_offsets = q_low * gl.expand_dims(key_params.slice(D + W_HIGH, W_LOW).load(gl.SliceLayout(0, QUERY)).to(gl.float32), 0)
+        zeros = key_params.slice(STAGE_GROUPS, STAGE_GROUPS, 0).slice(W_HIGH, W_LOW, 1).load(PARAMS).to(gl.float32)
+        low_offsets = gl.expand_dims(q_low, 0) * gl.expand_dims(zeros, 1)
         if W_HIGH > 0:
             terms = gl.maximum(terms, low_terms)
             offsets += low_offsets
         else:
             terms = low_terms
             offsets = low_offsets
-    peak = gl.max(terms, 1)
-    k_offset = gl.sum(offsets, 1)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
-    inverse = gl.expand_dims(_operand_inverse(peak), 1)
+    peak = gl.max(terms, 2)
+    k_offset = gl.sum(offsets, 2)  # NaN for a non-finite group (NaN zeros), so its scores are NaN
+    inverse = gl.expand_dims(_operand_inverse(peak), 2)
     if W_HIGH > 0:
         _query_operands(query_hh_smem, query_hl_smem, x_high, inverse, QUERY_ROWS, PAIRED)
     if W_LOW > 0:
         _query_operands(query_lh_smem, query_ll_smem, x_low, inverse, QUERY_ROWS, PAIRED)
-    # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset.
-    column_scale_smem.store(peak * (1.0 / (127.0 * 128.0)))
-    column_offset_smem.store(k_offset)
-    return value_inverse, value_scale
+    # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset, per group [STAGE_GROUPS * QUERY_ROWS].
+    column_scale_smem.store(gl.reshape(peak * (1.0 / (127.0 * 128.0)), [STAGE_GROUPS * QUERY_ROWS]))
+    column_offset_smem.store(gl.reshape(k_offset, [STAGE_GROUPS * QUERY_ROWS]))
+    return gl.expand_dims(token_inverse, 1), value_scale, second_scale
 
 
 @gluon.jit
@@ -791,6 +840,188 @@ def _join_parts(high, low, MMA: gl.constexpr):
     """``[R, Q]`` high and low parts -> ``[R, 2 Q]`` with head j's in columns 2j and 2j + 1, in the
     MMA accumulators' layout (the inverse of :func:`_pair_parts`: no data moves)."""
     return gl.convert_layout(gl.reshape(gl.join(high, low), [high.shape[0], 2 * high.shape[1]]), MMA, assert_trivial=True)
+
+
+@gluon.jit
+def _group_scores(
+    key_words,
+    query_hh_smem,
+    query_hl_smem,
+    query_lh_smem,
+    query_ll_smem,
+    column_scale_smem,
+    column_offset_smem,
+    group: gl.constexpr,
+    step: gl.constexpr,
+    G: gl.constexpr,
+    T_G: gl.constexpr,
+    KEY_ROWS: gl.constexpr,
+    LOW_ROW: gl.constexpr,
+    SCORE_LEVELS: gl.constexpr,
+    LEVEL_PLANES: gl.constexpr,
+    PLANES_HIGH: gl.constexpr,
+    BITS_HIGH: gl.constexpr,
+    BITS_LOW: gl.constexpr,
+    C_HIGH: gl.constexpr,
+    W_HIGH: gl.constexpr,
+    W_LOW: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    QUERY_ROWS: gl.constexpr,
+    PAIRED: gl.constexpr,
+    MMA: gl.constexpr,
+    A8: gl.constexpr,
+    B8: gl.constexpr,
+    KEY_BYTES_HIGH: gl.constexpr,
+    KEY_BYTES_LOW: gl.constexpr,
+    KEY_WORDS_HIGH: gl.constexpr,
+    KEY_WORDS_LOW: gl.constexpr,
+    KEY_DISTANCE: gl.constexpr,
+    GROUP_SCORES: gl.constexpr,
+):
+    """The scores ``[T_G, QUERY_ROWS]`` (``GROUP_SCORES``) of step ``step`` of the stage's key group
+    ``group`` (its words from row ``group * KEY_ROWS`` of the stage's ``key_words``; its query operands
+    and column factors from its rows of the shared buffers, see :func:`_group_operands`): Horner's
+    scheme over the key levels (a pair of planes as 2-bit fields for thread-owned words, else a plane;
+    both tiles' level together), times 4 (or 2), then add the level."""
+    WORDS: gl.constexpr = G // 32
+    ROW: gl.constexpr = group * KEY_ROWS
+    column_scale = gl.expand_dims(column_scale_smem.slice(group * QUERY_ROWS, QUERY_ROWS).load(gl.SliceLayout(0, GROUP_SCORES)), 0)
+    k_offset = gl.expand_dims(column_offset_smem.slice(group * QUERY_ROWS, QUERY_ROWS).load(gl.SliceLayout(0, GROUP_SCORES)), 0)
+    if W_HIGH > 0:
+        query_hh = query_hh_smem.slice(group * BLOCK_Q, BLOCK_Q, 0).permute([1, 0]).load(B8)
+        query_hl = query_hh
+        if not PAIRED:
+            query_hl = query_hl_smem.slice(group * BLOCK_Q, BLOCK_Q, 0).permute([1, 0]).load(B8)
+    if W_LOW > 0:
+        query_lh = query_lh_smem.slice(group * BLOCK_Q, BLOCK_Q, 0).permute([1, 0]).load(B8)
+        query_ll = query_lh
+        if not PAIRED:
+            query_ll = query_ll_smem.slice(group * BLOCK_Q, BLOCK_Q, 0).permute([1, 0]).load(B8)
+    # Score rows read one bit position of each byte of the key operands (_key_row_factors).
+    key_bit, key_unit = _key_row_factors(step, T_G, KEY_DISTANCE, A8, GROUP_SCORES)
+    high = gl.zeros([T_G, BLOCK_Q], gl.int32, layout=MMA)
+    low = high
+    for level in gl.static_range(SCORE_LEVELS - 1, -1, -1):
+        if level < SCORE_LEVELS - 1:
+            high = high << LEVEL_PLANES
+            if not PAIRED:
+                low = low << LEVEL_PLANES
+        if W_HIGH > 0 and LEVEL_PLANES * level < PLANES_HIGH:
+            high, low = _key_level_scores(
+                high,
+                low,
+                key_words,
+                query_hh,
+                query_hl,
+                ROW + LEVEL_PLANES * level * WORDS,
+                WORDS,
+                level,
+                BITS_HIGH,
+                BITS_LOW,
+                C_HIGH,
+                step,
+                key_bit,
+                W_HIGH,
+                T_G,
+                A8,
+                KEY_BYTES_HIGH,
+                KEY_WORDS_HIGH,
+                KEY_DISTANCE,
+                PAIRED,
+            )
+        if W_LOW > 0 and LEVEL_PLANES * level < BITS_LOW:
+            high, low = _key_level_scores(
+                high,
+                low,
+                key_words,
+                query_lh,
+                query_ll,
+                ROW + LOW_ROW + LEVEL_PLANES * level * WORDS,
+                WORDS,
+                level,
+                BITS_LOW,
+                BITS_LOW,
+                0,
+                step,
+                key_bit,
+                W_LOW,
+                T_G,
+                A8,
+                KEY_BYTES_LOW,
+                KEY_WORDS_LOW,
+                KEY_DISTANCE,
+                PAIRED,
+            )
+    if PAIRED:
+        high, low = _pair_parts(high, GROUP_SCORES)
+    if KEY_DISTANCE > 0:
+        # 128 * high + low in int32: a row's codes read at most 2^5 times too large (bit 4 * tile
+        # + row half), so |high| <= 128 channels x 15 x 127 x 32 = 7.8e6 and 128 * high + low < 1.01e9.
+        return (high * 128 + low).to(gl.float32) * (key_unit * column_scale) + k_offset
+    # In float32: a byte's bit 7 reads 128 times too large, and 128 * high could pass int32.
+    return (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
+
+
+@gluon.jit
+def _join_groups(first, second, SCORES: gl.constexpr):
+    """Two groups' scores ``[T_G, N]`` as one step's ``[2 T_G, N]`` in ``SCORES``, the first group's
+    rows first: rows r and T_G + r are a thread's registers k = 0 and 1 of its row r (the accumulators'
+    64-row tiles), so no data moves."""
+    joined = gl.reshape(gl.permute(gl.join(first, second), [2, 0, 1]), [2 * first.shape[0], first.shape[1]])
+    return gl.convert_layout(joined, SCORES, assert_trivial=True)
+
+
+@gluon.jit
+def _group_values(
+    value_words,
+    p_high_smem,
+    p_low_smem,
+    value_mask,
+    group: gl.constexpr,
+    step: gl.constexpr,
+    D: gl.constexpr,
+    T_G: gl.constexpr,
+    BITS_V: gl.constexpr,
+    BLOCK_Q: gl.constexpr,
+    PAIRED: gl.constexpr,
+    MMA: gl.constexpr,
+    A8: gl.constexpr,
+    B8: gl.constexpr,
+    VALUE_BYTES: gl.constexpr,
+    ACC: gl.constexpr,
+):
+    """The integer value sums ``[D, QUERY_ROWS]`` (``ACC``) of the stage's key group ``group`` in step
+    ``step``: its value field words (from row ``group * b_V * D / 32 * 4`` of the stage's
+    ``value_words``) times its tokens' 8-bit parts of ``p * scale`` (columns ``group * T_G`` on of the
+    step's ``p`` buffers), Horner's scheme over the field words; ``128 * high + low``."""
+    V_ROWS: gl.constexpr = BITS_V * (D // 32) * 4
+    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 4, T_G / 4]
+    p_high = p_high_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
+    p_low = p_high
+    if not PAIRED:
+        p_low = p_low_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
+    v_high = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
+    v_low = v_high
+    for value_pair in gl.static_range(BITS_V // 2 - 1, -1, -1):  # Horner's scheme over the field words
+        if value_pair < BITS_V // 2 - 1:
+            v_high = v_high * 4
+            if not PAIRED:
+                v_low = v_low * 4
+        # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T_G]: no data moves.
+        words = value_words.slice(group * V_ROWS + value_pair * (D // 4), D // 4, 0).slice(step * (T_G // 4), T_G // 4, 1).load(VALUE_WORDS)
+        words = gl.expand_dims(gl.expand_dims(words, 1), 3)
+        words = gl.convert_layout(
+            gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T_G // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T_G]),
+            A8,
+            assert_trivial=True,
+        )
+        operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
+        v_high = mma_v2(operand, p_high, v_high)
+        if not PAIRED:
+            v_low = mma_v2(operand, p_low, v_low)
+    if PAIRED:
+        v_high, v_low = _pair_parts(v_high, ACC)
+    return v_high * 128 + v_low
 
 
 @gluon.jit
@@ -905,6 +1136,7 @@ def _decode_split_kernel_mma(
     QUERY_ROWS: gl.constexpr,
     D: gl.constexpr,
     T: gl.constexpr,
+    T_G: gl.constexpr,
     G: gl.constexpr,
     C_HIGH: gl.constexpr,
     BITS_HIGH: gl.constexpr,
@@ -939,6 +1171,7 @@ def _decode_split_kernel_mma(
     PARTIALS: gl.constexpr,
     OUT: gl.constexpr,
     SCORES: gl.constexpr,
+    GROUP_SCORES: gl.constexpr,
     DENSE_SCORES: gl.constexpr,
     ACC: gl.constexpr,
     TOP_CORRECTION: gl.constexpr,
@@ -996,10 +1229,13 @@ def _decode_split_kernel_mma(
         ACC,
     )
 
-    # Packed groups: this split's slice of the sequence's groups.
-    WORDS: gl.constexpr = G // 32
+    # Packed groups: this split's slice of the sequence's groups, taken STAGE_GROUPS at a time (a stage:
+    # one or, for 64-token groups in 128-token steps, two groups; a step's groups share its softmax
+    # update, each has its own query operands and value scale).
+    STAGE_GROUPS: gl.constexpr = T // T_G
+    GROUP_STEPS: gl.constexpr = G // T_G
     n_groups = gl.minimum(gl.load(num_groups_ptr + b), group_cap)
-    per_split = gl.cdiv(n_groups, num_splits)
+    per_split = gl.cdiv(gl.cdiv(n_groups, num_splits), STAGE_GROUPS) * STAGE_GROUPS
     group_end = gl.minimum(split * per_split + per_split, n_groups)
 
     # Shared buffers: STAGES stages of key groups (one read as operands, the others' copies in flight).
@@ -1009,17 +1245,20 @@ def _decode_split_kernel_mma(
     scale_dtype: gl.constexpr = k_scale_ptr.dtype.element_ty
     SHARED_3D: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0])
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW  # both key tiles' width
-    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, KEY_ROWS, W_TILE // 4, 4], SHARED_3D)  # the tiles' planes, _copy_offsets
-    key_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, D], SHARED_2D)  # [stage, 0]: scales, [stage, 1]: zeros
+    # Each stage: its groups' key words (the tiles' planes, _copy_offsets) and value words one group after the other.
+    key_smem = gl.allocate_shared_memory(gl.int32, [STAGES, STAGE_GROUPS * KEY_ROWS, W_TILE // 4, 4], SHARED_3D)
+    key_param_smem = gl.allocate_shared_memory(
+        scale_dtype, [STAGES, 2, STAGE_GROUPS * D], SHARED_2D
+    )  # [stage, 0]: scales, [stage, 1]: zeros
     V_COLUMNS: gl.constexpr = BITS_V * (D // 32)
-    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, V_COLUMNS * 4, G // 4], VALUE_SHARED)
+    value_smem = gl.allocate_shared_memory(gl.int32, [STAGES, STAGE_GROUPS * V_COLUMNS * 4, G // 4], VALUE_SHARED)
     # p * token scale in 8-bit parts (see below), [BLOCK_Q, T]: the values' B operands of a step
     # (both parts in p_high_smem when PAIRED).
     p_high_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
     p_low_smem = p_high_smem
     if not PAIRED:
         p_low_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, T], P_SHARED)
-    value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, G], SHARED_2D)
+    value_param_smem = gl.allocate_shared_memory(scale_dtype, [STAGES, 2, STAGE_GROUPS * G], SHARED_2D)
     kc_high = kc_high_ptr + b * s_khb + h * s_khh
     kc_low = kc_low_ptr + b * s_klb + h * s_klh
     k_scale = k_scale_ptr + b * s_ksb + h * s_ksh
@@ -1033,10 +1272,12 @@ def _decode_split_kernel_mma(
     # 2^bit times too large, see _key_level_scores) met by the query times the group's channel scales
     # in two 8-bit parts (high, low: 15 significant bits), made once per group by all warps together
     # into shared memory (see _query_operands): two buffers per tile, or one of both parts when
-    # PAIRED; every level of a tile meets the same operands. Both tiles are W_TILE wide.
+    # PAIRED, with BLOCK_Q rows per group of the stage; every level of a tile meets the same operands.
+    # Both tiles are W_TILE wide.
     order_ptrs = order_ptr + b * s_ob + h * s_oh
-    j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY)), 1)
-    c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY))
+    QUERY_2D: gl.constexpr = gl.SliceLayout(0, QUERY)  # [QUERY_ROWS, W_TILE]
+    j_q = gl.expand_dims(gl.arange(0, QUERY_ROWS, layout=gl.SliceLayout(1, QUERY_2D)), 1)
+    c_q = gl.arange(0, W_TILE, layout=gl.SliceLayout(0, QUERY_2D))
     if W_HIGH > 0:
         q_high = (
             gl.load(
@@ -1044,10 +1285,10 @@ def _decode_split_kernel_mma(
             ).to(gl.float32)
             * qk_scale
         )
-        query_hh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
+        query_hh_smem = gl.allocate_shared_memory(gl.int8, [STAGE_GROUPS * BLOCK_Q, W_TILE], QUERY_SHARED)
         query_hl_smem = query_hh_smem
         if not PAIRED:
-            query_hl_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
+            query_hl_smem = gl.allocate_shared_memory(gl.int8, [STAGE_GROUPS * BLOCK_Q, W_TILE], QUERY_SHARED)
     if W_LOW > 0:
         q_low = (
             gl.load(
@@ -1057,42 +1298,41 @@ def _decode_split_kernel_mma(
             ).to(gl.float32)
             * qk_scale
         )
-        query_lh_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
+        query_lh_smem = gl.allocate_shared_memory(gl.int8, [STAGE_GROUPS * BLOCK_Q, W_TILE], QUERY_SHARED)
         query_ll_smem = query_lh_smem
         if not PAIRED:
-            query_ll_smem = gl.allocate_shared_memory(gl.int8, [BLOCK_Q, W_TILE], QUERY_SHARED)
+            query_ll_smem = gl.allocate_shared_memory(gl.int8, [STAGE_GROUPS * BLOCK_Q, W_TILE], QUERY_SHARED)
     if W_HIGH == 0:  # placeholders of the absent tile (never read)
         q_high, query_hh_smem, query_hl_smem = q_low, query_lh_smem, query_ll_smem
     if W_LOW == 0:
         q_low, query_lh_smem, query_ll_smem = q_high, query_hh_smem, query_hl_smem
-    # Per query head and group: the scores' scale and offset, handed to the scores' layout in shared memory.
-    column_scale_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
-    column_offset_smem = gl.allocate_shared_memory(gl.float32, [QUERY_ROWS], SHARED_1D)
+    # Per group of the stage and query head: the scores' scale and offset, handed to the scores' layout in shared memory.
+    column_scale_smem = gl.allocate_shared_memory(gl.float32, [STAGE_GROUPS * QUERY_ROWS], SHARED_1D)
+    column_offset_smem = gl.allocate_shared_memory(gl.float32, [STAGE_GROUPS * QUERY_ROWS], SHARED_1D)
     max_smem = gl.allocate_shared_memory(gl.float32, [WARPS, QUERY_ROWS], SHARED_2D)  # per warp: its rows' maxima
-    no_keys = gl.zeros([T, BLOCK_Q], gl.int32, layout=MMA)
 
     # Value field words: 8-bit operands like the keys' (row c read field c % 4 of its bytes: 4^(c % 4)
     # times its code; the top field 64 * (code - 2), its high bit stored inverted).
-    VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 4, T / 4]
     rows_acc = gl.arange(0, D, layout=gl.SliceLayout(1, ACC))
     value_unit = gl.expand_dims(gl.exp2(-2.0 * (rows_acc % 4).to(gl.float32)), 1)
     value_mask = gl.expand_dims(0x03030303 << (2 * (gl.arange(0, D, layout=gl.SliceLayout(1, A8)) % 4)), 1)
     # The top fields' rows read each code short by TOP_CORRECTION (top_field_correction).
     value_top = gl.expand_dims(gl.where(rows_acc % 4 == 3, TOP_CORRECTION, 0.0), 1)
-    no_values = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
     l_rows = gl.zeros([T, QUERY_ROWS], gl.float32, layout=SCORES)  # per-thread partial sums over the packed tokens, see below
     zero_rows = l_rows
     scale_rows = l_rows
+    step_rows = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, SCORES)), 1)
 
     group_start = split * per_split
-    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, COPY_KEYS, COPY_VALUES)
+    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, STAGE_GROUPS, COPY_KEYS, COPY_VALUES)
     for i in gl.static_range(STAGES - 1):
+        first = group_start + i * STAGE_GROUPS
         _copy_group_codes(
             key_smem,
             value_smem,
             i,
-            group_start + i,
-            group_start + i < group_end,
+            first,
+            group_end - first,
             kc_high,
             kc_low,
             v_codes,
@@ -1106,12 +1346,11 @@ def _decode_split_kernel_mma(
         )
         async_copy.commit_group()
     for i in gl.static_range(STAGES):
-        params = _load_group_params(
-            group_start + i, group_start + i < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G
-        )
+        first = group_start + i * STAGE_GROUPS
+        params = _load_group_params(first, group_end - first, k_scale, k_zero, v_scale, v_zero, D, G, STAGE_GROUPS, PARAMS_D, PARAMS_G)
         _store_group_params(key_param_smem, value_param_smem, i, params)
-    # The first group's operands; each later group's are made during the value products of the one before.
-    value_inverse, value_scale = _group_operands(
+    # The first stage's operands; each later stage's are made during the value products of the one before.
+    value_inverse, value_scale, second_value_scale = _group_operands(
         key_param_smem,
         value_param_smem,
         0,
@@ -1126,122 +1365,123 @@ def _decode_split_kernel_mma(
         value_unit,
         D,
         G,
+        T,
+        STAGE_GROUPS,
         W_HIGH,
         QUERY_ROWS,
         PAIRED,
         QUERY,
         GROUP_PER_WARP,
+        SCORES,
     )
-    for group in range(group_start, group_end):
-        # Wait for this group's codes (the next STAGES - 2 groups' copies stay in flight); the barrier
-        # also makes the group's query operands visible and ends the last iteration's reads of its
-        # stage's words.
+    for first in range(group_start, group_end, STAGE_GROUPS):
+        # Wait for this stage's codes (the next STAGES - 2 stages' copies stay in flight); the barrier
+        # also makes the stage's query operands visible and ends the last iteration's reads of its
+        # buffers' words.
         async_copy.wait_group(STAGES - 2)
         _barrier()
-        stage = (group - group_start) % STAGES
-        # Start reading the scales and zeros of group + STAGES (they wait in registers until this
-        # group is done with the stage's).
-        params = _load_group_params(group + STAGES, group + STAGES < group_end, k_scale, k_zero, v_scale, v_zero, D, G, PARAMS_D, PARAMS_G)
+        stage = (first - group_start) // STAGE_GROUPS % STAGES
+        # Start reading the scales and zeros of the stage STAGES on (they wait in registers until this
+        # stage is done with its own).
+        ahead = first + STAGES * STAGE_GROUPS
+        params = _load_group_params(ahead, group_end - ahead, k_scale, k_zero, v_scale, v_zero, D, G, STAGE_GROUPS, PARAMS_D, PARAMS_G)
         key_words = key_smem.index(stage)
         value_words = value_smem.index(stage)
-        value_params = value_param_smem.index(stage).reshape([2 * G])
-        column_scale = gl.expand_dims(column_scale_smem.load(gl.SliceLayout(0, SCORES)), 0)
-        k_offset = gl.expand_dims(column_offset_smem.load(gl.SliceLayout(0, SCORES)), 0)
-        if W_HIGH > 0:
-            query_hh = query_hh_smem.permute([1, 0]).load(B8)
-            query_hl = query_hh
-            if not PAIRED:
-                query_hl = query_hl_smem.permute([1, 0]).load(B8)
-        if W_LOW > 0:
-            query_lh = query_lh_smem.permute([1, 0]).load(B8)
-            query_ll = query_lh
-            if not PAIRED:
-                query_ll = query_ll_smem.permute([1, 0]).load(B8)
-        for step in gl.static_range(G // T):
-            # Score rows read one bit position of each byte of the key operands (_key_row_factors).
-            key_bit, key_unit = _key_row_factors(step, T, KEY_DISTANCE, A8, SCORES)
-            # Horner's scheme over the levels (a pair of planes as 2-bit fields for thread-owned words,
-            # else a plane; both tiles' level together): times 4 (or 2), then add the level.
-            high = no_keys
-            low = no_keys
-            for level in gl.static_range(SCORE_LEVELS - 1, -1, -1):
-                if level < SCORE_LEVELS - 1:
-                    high = high << LEVEL_PLANES
-                    if not PAIRED:
-                        low = low << LEVEL_PLANES
-                if W_HIGH > 0 and LEVEL_PLANES * level < PLANES_HIGH:
-                    high, low = _key_level_scores(
-                        high,
-                        low,
-                        key_words,
-                        query_hh,
-                        query_hl,
-                        LEVEL_PLANES * level * WORDS,
-                        WORDS,
-                        level,
-                        BITS_HIGH,
-                        BITS_LOW,
-                        C_HIGH,
-                        step,
-                        key_bit,
-                        W_HIGH,
-                        T,
-                        A8,
-                        KEY_BYTES_HIGH,
-                        KEY_WORDS_HIGH,
-                        KEY_DISTANCE,
-                        PAIRED,
-                    )
-                if W_LOW > 0 and LEVEL_PLANES * level < BITS_LOW:
-                    high, low = _key_level_scores(
-                        high,
-                        low,
-                        key_words,
-                        query_lh,
-                        query_ll,
-                        LOW_ROW + LEVEL_PLANES * level * WORDS,
-                        WORDS,
-                        level,
-                        BITS_LOW,
-                        BITS_LOW,
-                        0,
-                        step,
-                        key_bit,
-                        W_LOW,
-                        T,
-                        A8,
-                        KEY_BYTES_LOW,
-                        KEY_WORDS_LOW,
-                        KEY_DISTANCE,
-                        PAIRED,
-                    )
-            if PAIRED:
-                high, low = _pair_parts(high, SCORES)
-            if KEY_DISTANCE > 0:
-                # 128 * high + low in int32: a row's codes read at most 2^5 times too large (bit 4 * tile
-                # + row half), so |high| <= 128 channels x 15 x 127 x 32 = 7.8e6 and 128 * high + low < 1.01e9.
-                scores = (high * 128 + low).to(gl.float32) * (key_unit * column_scale) + k_offset
-            else:
-                # In float32: a byte's bit 7 reads 128 times too large, and 128 * high could pass int32.
-                scores = (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
+        value_params = value_param_smem.index(stage).reshape([2 * STAGE_GROUPS * G])
+        for step in gl.static_range(GROUP_STEPS):
+            scores = _group_scores(
+                key_words,
+                query_hh_smem,
+                query_hl_smem,
+                query_lh_smem,
+                query_ll_smem,
+                column_scale_smem,
+                column_offset_smem,
+                0,
+                step,
+                G,
+                T_G,
+                KEY_ROWS,
+                LOW_ROW,
+                SCORE_LEVELS,
+                LEVEL_PLANES,
+                PLANES_HIGH,
+                BITS_HIGH,
+                BITS_LOW,
+                C_HIGH,
+                W_HIGH,
+                W_LOW,
+                BLOCK_Q,
+                QUERY_ROWS,
+                PAIRED,
+                MMA,
+                A8,
+                B8,
+                KEY_BYTES_HIGH,
+                KEY_BYTES_LOW,
+                KEY_WORDS_HIGH,
+                KEY_WORDS_LOW,
+                KEY_DISTANCE,
+                GROUP_SCORES,
+            )
+            if STAGE_GROUPS == 2:
+                second = _group_scores(
+                    key_words,
+                    query_hh_smem,
+                    query_hl_smem,
+                    query_lh_smem,
+                    query_ll_smem,
+                    column_scale_smem,
+                    column_offset_smem,
+                    1,
+                    step,
+                    G,
+                    T_G,
+                    KEY_ROWS,
+                    LOW_ROW,
+                    SCORE_LEVELS,
+                    LEVEL_PLANES,
+                    PLANES_HIGH,
+                    BITS_HIGH,
+                    BITS_LOW,
+                    C_HIGH,
+                    W_HIGH,
+                    W_LOW,
+                    BLOCK_Q,
+                    QUERY_ROWS,
+                    PAIRED,
+                    MMA,
+                    A8,
+                    B8,
+                    KEY_BYTES_HIGH,
+                    KEY_BYTES_LOW,
+                    KEY_WORDS_HIGH,
+                    KEY_WORDS_LOW,
+                    KEY_DISTANCE,
+                    GROUP_SCORES,
+                )
+                # The split's last stage may hold one group: the other's tokens take no part.
+                scores = gl.where(step_rows < (group_end - first) * G, _join_groups(scores, second, SCORES), float("-inf"))
 
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
-            token_zero = gl.expand_dims(value_params.slice(G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
+            token_zero = gl.expand_dims(
+                value_params.slice(STAGE_GROUPS * G + step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1
+            )
             m_new = gl.maximum(m_i, _column_max(scores, max_smem, PARTIALS, SCORES))
-            if step == G // T - 1:
-                # Refill the last group's stage with the codes of group + STAGES - 1, and this stage
-                # with the scales and zeros of group + STAGES. Here, after _column_max's barrier, because
-                # Triton fences a write to a buffer and a read of it, in any part, with a barrier: after
-                # the barrier that opens the group, the copy would need one of its own before the key
-                # words (another stage of the same buffers) are read. Every read of this stage's token
-                # scales is done by now.
-                ahead = group + STAGES - 1
+            if step == GROUP_STEPS - 1:
+                # Refill the last stage's buffers with the codes of the stage STAGES - 1 on, and this
+                # stage's with the scales and zeros of the stage STAGES on. Here, after _column_max's
+                # barrier, because Triton fences a write to a buffer and a read of it, in any part, with
+                # a barrier: after the barrier that opens the stage, the copy would need one of its own
+                # before the key words (another stage of the same buffers) are read. Every read of this
+                # stage's token scales is done by now.
+                ahead = first + (STAGES - 1) * STAGE_GROUPS
                 _copy_group_codes(
                     key_smem,
                     value_smem,
-                    (ahead - group_start) % STAGES,
+                    (ahead - group_start) // STAGE_GROUPS % STAGES,
                     ahead,
-                    ahead < group_end,
+                    group_end - ahead,
                     kc_high,
                     kc_low,
                     v_codes,
@@ -1273,40 +1513,40 @@ def _decode_split_kernel_mma(
                 p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
                 p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
             _barrier()  # every warp's tokens of p are in shared memory
-            p_high = p_high_smem.permute([1, 0]).load(B8)
-            if not PAIRED:
-                p_low = p_low_smem.permute([1, 0]).load(B8)
-            v_high = no_values
-            v_low = no_values
-            for value_pair in gl.static_range(BITS_V // 2 - 1, -1, -1):  # Horner's scheme over the field words
-                if value_pair < BITS_V // 2 - 1:
-                    v_high = v_high * 4
-                    if not PAIRED:
-                        v_low = v_low * 4
-                # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T]: no data moves.
-                words = value_words.slice(value_pair * (D // 4), D // 4, 0).slice(step * (T // 4), T // 4, 1).load(VALUE_WORDS)
-                words = gl.expand_dims(gl.expand_dims(words, 1), 3)
-                words = gl.convert_layout(
-                    gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T]),
+            values = _group_values(
+                value_words, p_high_smem, p_low_smem, value_mask, 0, step, D, T_G, BITS_V, BLOCK_Q, PAIRED, MMA, A8, B8, VALUE_BYTES, ACC
+            )
+            values = values.to(gl.float32) * value_scale
+            if STAGE_GROUPS == 2:
+                second = _group_values(
+                    value_words,
+                    p_high_smem,
+                    p_low_smem,
+                    value_mask,
+                    1,
+                    step,
+                    D,
+                    T_G,
+                    BITS_V,
+                    BLOCK_Q,
+                    PAIRED,
+                    MMA,
                     A8,
-                    assert_trivial=True,
+                    B8,
+                    VALUE_BYTES,
+                    ACC,
                 )
-                operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
-                v_high = mma_v2(operand, p_high, v_high)
-                if not PAIRED:
-                    v_low = mma_v2(operand, p_low, v_low)
-            if PAIRED:
-                v_high, v_low = _pair_parts(v_high, ACC)
+                values += second.to(gl.float32) * second_value_scale
             alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
-            acc = acc * alpha_acc + (v_high * 128 + v_low).to(gl.float32) * value_scale
+            acc = acc * alpha_acc + values
             m_i = m_new
-            if step == G // T - 1:
-                # The next group's operands, independent of this group's value products (the barriers
-                # above ended every warp's reads of the query operands and column factors of this group).
-                next_value_inverse, next_value_scale = _group_operands(
+            if step == GROUP_STEPS - 1:
+                # The next stage's operands, independent of this stage's value products (the barriers
+                # above ended every warp's reads of the query operands and column factors of this stage).
+                next_value_inverse, next_value_scale, next_second_value_scale = _group_operands(
                     key_param_smem,
                     value_param_smem,
-                    (group + 1 - group_start) % STAGES,
+                    (first + STAGE_GROUPS - group_start) // STAGE_GROUPS % STAGES,
                     q_high,
                     q_low,
                     query_hh_smem,
@@ -1318,14 +1558,18 @@ def _decode_split_kernel_mma(
                     value_unit,
                     D,
                     G,
+                    T,
+                    STAGE_GROUPS,
                     W_HIGH,
                     QUERY_ROWS,
                     PAIRED,
                     QUERY,
                     GROUP_PER_WARP,
+                    SCORES,
                 )
         value_inverse = next_value_inverse
         value_scale = next_value_scale
+        second_value_scale = next_second_value_scale
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
@@ -1379,8 +1623,7 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     128-token groups a fifth (96 registers) is no faster. The stage count and the slots filled are
     chosen for large batches on an H200 (``python benchmarks/bench_attention.py --sweep-mma`` and
     ``--sweep-occupancy`` time the alternatives): 2 and 4 stages are about as fast as 3 there, and
-    filling 4 slots beats filling 2, 3 or 5 at batch 1 and 32. With 64-token groups the kernel takes
-    96 registers (:func:`register_cap`) and five programs fit, but the splits still fill 4 slots.
+    filling 4 slots beats filling 2, 3 or 5 at batch 1 and 32.
     """
     return wave_filling_splits(4 * multiprocessors(query.device.index), kv_programs, max_groups)
 
@@ -1403,9 +1646,11 @@ def kernel_constants(
     paired = paired_columns(ratio)
     query_rows = block_q // 2 if paired else block_q
     tokens = step_tokens(group_size, bits_value)
+    group_tokens = group_step_tokens(group_size, bits_value)
+    stage_groups = tokens // group_tokens
     key_distance = key_word_distance(group_size, num_high)
     assert key_distance == key_word_distance(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
-    kernel_layouts = layouts(head_dim, high_width, query_rows, tokens, key_distance)
+    kernel_layouts = layouts(head_dim, high_width, query_rows, stage_groups, group_tokens, key_distance)
     mma = kernel_layouts["MMA"]
     params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
@@ -1423,6 +1668,7 @@ def kernel_constants(
         QUERY_ROWS=query_rows,
         D=head_dim,
         T=tokens,
+        T_G=group_tokens,
         G=group_size,
         C_HIGH=num_high,
         BITS_HIGH=bits_high,
@@ -1438,15 +1684,17 @@ def kernel_constants(
         STAGES=stages,
         COPY_KEYS=quad_layout(tile // 4),
         COPY_VALUES=value_copy_layout(group_size),
-        VALUE_SHARED=value_shared_layout(group_size, tokens),
+        VALUE_SHARED=value_shared_layout(group_size, group_tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
-        P_SHARED=operand_shared_layout(tokens, block_q, tokens),
+        P_SHARED=operand_shared_layout(tokens, block_q, group_tokens),
         PARAMS_D=params,
         PARAMS_G=params,
-        GROUP_PER_WARP=gl.BlockedLayout([group_size // 32], [32], [NUM_WARPS], [0]),  # the group's token scales in every warp
+        # [stage groups, G]: the groups' token scales in every warp, the groups in each thread's registers
+        GROUP_PER_WARP=gl.BlockedLayout([stage_groups, group_size // 32], [1, 32], [NUM_WARPS, 1], [1, 0]),
         PARTIALS=partials_layout(query_rows, paired),
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
         SCORES=heads_layout(tokens) if paired else mma,
+        GROUP_SCORES=heads_layout(group_tokens) if paired else mma,
         DENSE_SCORES=heads_layout(DENSE_T.value) if paired else mma,
         ACC=heads_layout(head_dim) if paired else mma,
         **kernel_layouts,
@@ -1473,15 +1721,14 @@ def mma_decode_attention(
     scaling: float,
     overflowed: torch.Tensor | None = None,
     num_splits: int | None = None,
-    max_registers: int | Literal["auto"] | None = "auto",
+    max_registers: int | None = MAX_REGISTERS,
     stages: int = STAGES,
 ) -> torch.Tensor:
     """Launch the Gluon split kernel and the shared merge kernel (``split_and_merge``); arguments as
     ``decode_attention``.
 
     The caller checks :func:`supports`. ``num_splits`` (default :func:`default_splits`),
-    ``max_registers`` (per thread, Triton's ``maxnreg``; ``"auto"``: :func:`register_cap`; None: the
-    compiler's choice) and ``stages`` (shared buffers of key groups) are for benchmarks that sweep them.
+    ``max_registers`` (per thread, Triton's ``maxnreg``; None: the compiler's choice) and ``stages`` (shared buffers of key groups) are for benchmarks that sweep them.
     """
     if stages < 2:
         raise ValueError(f"stages must be at least 2 (one stage read while the next is copied), got {stages}")
@@ -1489,10 +1736,8 @@ def mma_decode_attention(
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
-    if isinstance(max_registers, str):
-        if max_registers != "auto":
-            raise ValueError(f"max_registers must be an int, None or 'auto'; got {max_registers!r}")
-        max_registers = register_cap(32 * words, q_heads // heads)
+    if max_registers is not None and (not isinstance(max_registers, int) or max_registers <= 0):
+        raise ValueError(f"max_registers must be a positive int or None; got {max_registers!r}")
     constants = dict(
         kernel_constants(
             head_dim,

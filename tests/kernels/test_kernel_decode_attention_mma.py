@@ -240,7 +240,7 @@ def test_value_words_swizzle_puts_paired_rows_in_other_banks(group_size, value_b
     word rows 2i and 2i + 1 (the two rows an ``ldmatrix`` matrix of the value operands reads) in
     different banks, within every column slice a step reads. Chunk address as Triton swizzles it:
     chunk ``c`` of row ``r`` lands at ``c ^ (r // per_phase % max_phase)``."""
-    tokens = mma.step_tokens(group_size, value_bits)
+    tokens = mma.group_step_tokens(group_size, value_bits)
     layout = mma.value_shared_layout(group_size, tokens)
     assert layout.vec == 4 and layout.order == [1, 0]
     rows, chunks = value_bits * 128 // 32 * 4, group_size // 16  # head dim 128; 16-byte chunks per row
@@ -313,17 +313,20 @@ def test_supports_shapes(shapes, supported):
     assert mma.supports_shapes(*shapes) is supported
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("rows, cols", [(1, 64), (2, 64), (4, 32), (4, 64), (8, 64), (16, 64), (1, 128), (4, 128), (8, 128)])
-def test_query_layout_tiles_and_reduces_within_a_warp(rows, cols):
-    """The query operands' layout ``[query heads, tile width]``: a CTA tile covers the tensor (held
-    more than once only when it has fewer than 128 elements), and from 4 heads on the warps split
-    the heads, so the per-head reductions over the tile stay within a warp."""
-    layout = mma.query_layout(rows, cols)
-    tile = [s * t * w for s, t, w in zip(layout.size_per_thread, layout.threads_per_warp, layout.warps_per_cta)]
+def test_query_layout_tiles_and_reduces_within_a_warp(groups, rows, cols):
+    """The query operands' layout ``[groups, query heads, tile width]``: a thread holds every group, a
+    CTA tile covers each group's ``[heads, width]`` (held more than once only when it has fewer than
+    128 elements), and from 4 heads on the warps split the heads, so the per-head reductions over the
+    tile stay within a warp."""
+    layout = mma.query_layout(groups, rows, cols)
+    assert layout.size_per_thread[0] == groups and layout.threads_per_warp[0] == layout.warps_per_cta[0] == 1
+    tile = [s * t * w for s, t, w in zip(layout.size_per_thread[1:], layout.threads_per_warp[1:], layout.warps_per_cta[1:])]
     assert cols % tile[1] == 0 and (rows % tile[0] == 0 or rows * cols < 32 * mma.NUM_WARPS)
-    assert layout.size_per_thread[1] <= 4 and layout.threads_per_warp[0] * layout.threads_per_warp[1] == 32
+    assert layout.size_per_thread[2] <= 4 and layout.threads_per_warp[1] * layout.threads_per_warp[2] == 32
     if rows >= mma.NUM_WARPS:
-        assert layout.warps_per_cta[1] == 1
+        assert layout.warps_per_cta[2] == 1
 
 
 def compile_for_sm90(layout: str, head_dim: int, ratio: int, dtype_name: str) -> str:
@@ -562,12 +565,10 @@ def test_non_finite_group_gives_nan_on_cuda():
     torch.testing.assert_close(got[1], want[1], atol=5e-2, rtol=5e-2)
 
 
-@pytest.mark.parametrize(
-    "preset, group_size, ratio, registers", [("pnmix-1", 128, 4, 128), ("pnmix-2", 64, 4, 96), ("pnmix-2", 64, 7, 128)]
-)
-def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ratio, registers):
+@pytest.mark.parametrize("preset, group_size, ratio, stage_groups", [("pnmix-1", 128, 4, 1), ("pnmix-2", 64, 4, 2), ("pnmix-2", 64, 7, 2)])
+def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ratio, stage_groups):
     """On CPU: the launcher hands the Gluon kernel each of its parameters once, with the register cap
-    of the group size and head ratio (recorded, not run)."""
+    and, for 64-token groups, steps of 128 tokens over two groups (recorded, not run)."""
     calls = []
 
     class Recorder:
@@ -584,11 +585,12 @@ def test_launch_passes_every_kernel_argument(monkeypatch, preset, group_size, ra
     assert grid == (2 * 2, 2)
     names = Recorder.arg_names
     options = {"num_warps", "maxnreg", "launch_pdl"}  # launch options
-    assert keywords["maxnreg"] == registers
+    assert keywords["maxnreg"] == mma.MAX_REGISTERS
+    assert keywords["T"] == 128 and keywords["T"] // keywords["T_G"] == stage_groups
     assert keywords["PDL"] is keywords["launch_pdl"] is False  # CPU tensors: no programmatic dependent launch
     assert len(positional) + len(keywords) - len(options) == len(names)
     assert set(keywords) - options == set(names[len(positional) :])
     assert positional[names.index("group_cap")] == args[5].shape[2]
     assert keywords["D"] == 128 and keywords["G"] == group_size and keywords["BLOCK_Q"] == 8
-    with pytest.raises(ValueError, match="max_registers must be an int, None or 'auto'; got '96'"):
+    with pytest.raises(ValueError, match="max_registers must be a positive int or None; got '96'"):
         mma.mma_decode_attention(*args, max_registers="96")
