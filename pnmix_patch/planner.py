@@ -12,7 +12,9 @@ For a model config, a preset, a batch, a prompt and a generation length:
 - **Working memory** of the largest step is an estimate (the one part not read from
   the code): the prefill of ``batch x prompt`` tokens (hidden states, q/k/v and the
   repeated keys/values of exact attention, the MLP's three intermediate tensors, pair
-  scores), a decode step's float32 logits, and for bf16 with ``bf16_attention="stock"``
+  scores; for PN-Mix also one layer's cache, which the static cache's first layer holds beside
+  the stacked storage of all layers while it copies its tensors in), a decode step's float32
+  logits, and for bf16 with ``bf16_attention="stock"``
   one layer's keys and values expanded to the query heads over the whole static cache:
   transformers' SDPA path repeats the KV heads (``repeat_kv``) whenever it passes a mask,
   as a compiled decode step over a ``StaticCache`` does. With ``"gqa"`` (SDPA reading the
@@ -168,11 +170,13 @@ class CapacityPlanner:
         return self.pnmix_cache_bytes(preset, batch, positions)
 
     # ------------------------------------------------------------- peak memory
-    def working_bytes(self, batch: int, prompt: int, quantized: bool, positions: int = 0) -> int:
+    def working_bytes(self, batch: int, prompt: int, quantized: bool, positions: int = 0, layer_bytes: int = 0) -> int:
         """Estimated transient memory of the largest step: prefill of ``batch x prompt`` tokens,
         or a decode step's float32 logits (see the module docstring). For the bf16 static
         cache (``quantized=False``) with ``bf16_attention="stock"`` also one layer's keys and
-        values expanded to the query heads over all ``positions`` (``repeat_kv``)."""
+        values expanded to the query heads over all ``positions`` (``repeat_kv``). ``layer_bytes``:
+        one layer's cache, held twice during the prefill (the PN-Mix static cache's first layer
+        allocates its own tensors, then the stacked storage of all layers, then copies them in)."""
         config, element = self.config, torch.empty((), dtype=self.dtype).element_size()
         tokens = batch * prompt
         q_heads = config.num_attention_heads
@@ -189,16 +193,17 @@ class CapacityPlanner:
         expanded = 2 * batch * q_heads * positions * self.head_dim * element if expands else 0
         # torch.compile's matmul padding pass times a random copy of each weight operand while
         # compiling the decode step (after the prefill's activations are freed).
-        return max(tokens * per_token, self.largest_matrix_bytes) + logits + expanded
+        return max(tokens * per_token + layer_bytes, self.largest_matrix_bytes) + logits + expanded
+
+    def _working_bytes(self, preset, batch: int, prompt: int, positions: int) -> int:
+        """:meth:`working_bytes` of ``preset`` (None: bf16), with a PN-Mix layer's transient copy."""
+        layer_bytes = 0 if preset is None else self.cache_bytes(preset, batch, positions) // self.layers
+        return self.working_bytes(batch, prompt, preset is not None, positions, layer_bytes)
 
     def peak_bytes(self, preset: PNMixConfig | str | None, batch: int, prompt: int, generated: int) -> int:
         """Weights + cache for ``prompt + generated`` positions + working memory."""
         positions = prompt + generated
-        return (
-            self.weight_bytes
-            + self.cache_bytes(preset, batch, positions)
-            + self.working_bytes(batch, prompt, preset is not None, positions)
-        )
+        return self.weight_bytes + self.cache_bytes(preset, batch, positions) + self._working_bytes(preset, batch, prompt, positions)
 
     def largest_batch(self, preset, prompt: int, generated: int, budget: int) -> int:
         """Largest batch whose peak fits ``budget`` bytes (0 if none)."""
@@ -225,7 +230,7 @@ class CapacityPlanner:
         for label, method in (("bf16", None), (preset.name, preset)):
             entry = {
                 "cache_bytes": self.cache_bytes(method, batch, positions),
-                "working_bytes": self.working_bytes(batch, prompt, method is not None, positions),
+                "working_bytes": self._working_bytes(method, batch, prompt, positions),
                 "peak_bytes": self.peak_bytes(method, batch, prompt, generated),
             }
             if budget is not None:

@@ -40,6 +40,7 @@ its attention output becomes NaN from then on (``overflowed``); eager steps rais
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -81,16 +82,24 @@ class _LayerStack:
     allocates the stacks, so the peak is the stacks plus one layer's tensors; each member copies
     its tensors into its slot and keeps views of it. A member whose tensors differ in shape, dtype
     or device from the first one's keeps its own, with a warning (its slot stays allocated, unused).
-    :meth:`release` frees the stacks and every member's tensors at once."""
+    :meth:`release` frees the stacks and every member's tensors at once.
+
+    The members hold the stack and the stack holds them weakly: no reference cycle, so a dropped
+    cache's memory comes back at once, not when Python's cyclic garbage collector next runs."""
 
     def __init__(self, layers: list[PNMixStaticLayer]):
-        self.layers = layers
+        self._layers = [weakref.ref(layer) for layer in layers]
         self.tensors: dict[str, torch.Tensor] = {}
+
+    @property
+    def layers(self) -> list[PNMixStaticLayer]:
+        """The members still alive (all of them while their cache is)."""
+        return [layer for layer in (ref() for ref in self._layers) if layer is not None]
 
     def adopt(self, layer: PNMixStaticLayer, own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Copy ``own`` into ``layer``'s slot; returns the stacked tensors it went into, or None."""
         if not self.tensors:
-            self.tensors = {name: t.new_zeros((len(self.layers), *t.shape)) for name, t in own.items()}
+            self.tensors = {name: t.new_zeros((len(self._layers), *t.shape)) for name, t in own.items()}
             if not torch.compiler.is_compiling():
                 for tensor in self.tensors.values():
                     torch._dynamo.mark_static_address(tensor)

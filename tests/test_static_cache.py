@@ -281,7 +281,6 @@ def test_a_layer_unlike_its_stack_keeps_its_own_tensors_with_a_warning():
 
 
 def test_a_new_batch_size_frees_the_old_stacks_and_needs_every_layer_empty():
-    import gc
     import weakref
 
     cache = stacked_cache(layers=2)
@@ -293,10 +292,28 @@ def test_a_new_batch_size_frees_the_old_stacks_and_needs_every_layer_empty():
         cache.layers[0].attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
     cache.reset()
     cache.layers[0].attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
-    gc.collect()
     assert old() is None  # freed before layer 1 allocates again
     cache.layers[1].attend(*chunk(1, 2, 10, 32, 0), None, 0.2)
     assert all(layer.stacked and layer.batch_size == 1 for layer in cache.layers)
+
+
+def test_a_dropped_cache_frees_its_storage_without_the_cyclic_garbage_collector():
+    """The layers and their stack reference each other only weakly one way: deleting the cache frees
+    the stacked storage at once, as for any tensor (a serving loop that drops one cache and makes a
+    larger one must not hold both)."""
+    import gc
+    import weakref
+
+    cache = stacked_cache(layers=2)
+    for layer in cache.layers:
+        layer.attend(*chunk(2, 2, 10, 32, 0), None, 0.2)
+    stacks, layer = weakref.ref(cache.layers[0].stack.tensors["value_codes"]), weakref.ref(cache.layers[1])
+    gc.disable()
+    try:
+        del cache
+        assert stacks() is None and layer() is None
+    finally:
+        gc.enable()
 
 
 def test_the_static_storage_refuses_to_grow():
