@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     SINKS,
     build_cache,
     check_decode_append,
+    code_commit,
     copy_bandwidth,
     median_ms,
     random_order,
@@ -556,6 +557,7 @@ def main() -> None:
             Path(args.out).mkdir(parents=True, exist_ok=True)
             report = {
                 "date": time.strftime("%Y-%m-%d"),
+                "commit": code_commit(),
                 "gpu": torch.cuda.get_device_name(),
                 "torch": torch.__version__,
                 "command": f"python benchmarks/bench_attention.py --{flag.replace('_', '-')}",

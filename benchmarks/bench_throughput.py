@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -258,7 +257,7 @@ def plot(report: dict, path: Path) -> None:
             axes.plot(*zip(*points), marker="o", label=method)
     axes.set_xlabel("batch (sequences)")
     axes.set_ylabel("decode throughput (tokens/s)")
-    axes.set_title(f"Qwen3-8B shape, {GENERATED} generated tokens, {report.get('gpu', 'GPU')}")
+    axes.set_title(f"Qwen3-8B shape, {GENERATED} generated tokens\n{report.get('gpu', 'GPU')}", fontsize=10)
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
@@ -288,7 +287,7 @@ def main() -> None:
         path = Path(args.plot)
         plot(json.loads(path.read_text()), path.with_suffix(".png"))
         return
-    import common  # noqa: F401  (registers the "sdpa_gqa" attention)
+    import common  # registers the "sdpa_gqa" attention
 
     from pnmix_patch.planner import CapacityPlanner
 
@@ -312,11 +311,10 @@ def main() -> None:
     if "ttft" in parts:
         print("time to first token", flush=True)
         report["ttft"] = time_to_first_token(model, device, repeats=args.ttft_repeats)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report.update(
         {
             "date": time.strftime("%Y-%m-%d"),
-            "commit": commit,
+            "commit": common.code_commit(),
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "host": platform.node(),

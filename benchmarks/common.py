@@ -117,17 +117,24 @@ def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, rag
     )
 
 
+def code_commit() -> str:
+    """The commit of the code that runs: ``$PNMIX_COMMIT`` where set (a copy of the working tree whose git
+    metadata is not its own), else git's ``HEAD``."""
+    return (
+        os.environ.get("PNMIX_COMMIT")
+        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    )
+
+
 def report_writer(out: str, name: str, script: str) -> callable:
     """A function ``write(complete=False, **sections)`` that (re)writes ``out/name``: the date, commit,
     GPU, torch, host, the seconds since this call, the command (``script`` and this process's arguments),
     ``complete`` and ``sections``. Call it after every row, so that a run cut short (a device call's
-    time limit) leaves the rows it timed, with ``"complete": false``. The commit is ``$PNMIX_COMMIT`` where
-    set (a copy of the working tree whose git metadata is not its own), else git's ``HEAD``."""
+    time limit) leaves the rows it timed, with ``"complete": false``. The commit: :func:`code_commit`."""
     started = time.time()
     header = {
         "date": time.strftime("%Y-%m-%d"),
-        "commit": os.environ.get("PNMIX_COMMIT")
-        or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": code_commit(),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "host": platform.node(),
