@@ -1389,43 +1389,8 @@ def _decode_split_kernel_mma(
         value_words = value_smem.index(stage)
         value_params = value_param_smem.index(stage).reshape([2 * STAGE_GROUPS * G])
         for step in gl.static_range(GROUP_STEPS):
-            scores = _group_scores(
-                key_words,
-                query_hh_smem,
-                query_hl_smem,
-                query_lh_smem,
-                query_ll_smem,
-                column_scale_smem,
-                column_offset_smem,
-                0,
-                step,
-                G,
-                T_G,
-                KEY_ROWS,
-                LOW_ROW,
-                SCORE_LEVELS,
-                LEVEL_PLANES,
-                PLANES_HIGH,
-                BITS_HIGH,
-                BITS_LOW,
-                C_HIGH,
-                W_HIGH,
-                W_LOW,
-                BLOCK_Q,
-                QUERY_ROWS,
-                PAIRED,
-                MMA,
-                A8,
-                B8,
-                KEY_BYTES_HIGH,
-                KEY_BYTES_LOW,
-                KEY_WORDS_HIGH,
-                KEY_WORDS_LOW,
-                KEY_DISTANCE,
-                GROUP_SCORES,
-            )
-            if STAGE_GROUPS == 2:
-                second = _group_scores(
+            for group in gl.static_range(STAGE_GROUPS):
+                group_scores = _group_scores(
                     key_words,
                     query_hh_smem,
                     query_hl_smem,
@@ -1433,7 +1398,7 @@ def _decode_split_kernel_mma(
                     query_ll_smem,
                     column_scale_smem,
                     column_offset_smem,
-                    1,
+                    group,
                     step,
                     G,
                     T_G,
@@ -1460,8 +1425,11 @@ def _decode_split_kernel_mma(
                     KEY_DISTANCE,
                     GROUP_SCORES,
                 )
-                # The split's last stage may hold one group: the other's tokens take no part.
-                scores = gl.where(step_rows < (group_end - first) * G, _join_groups(scores, second, SCORES), float("-inf"))
+                if group == 0:
+                    scores = group_scores
+                else:
+                    # The split's last stage may hold one group: the other's tokens take no part.
+                    scores = gl.where(step_rows < (group_end - first) * G, _join_groups(scores, group_scores, SCORES), float("-inf"))
 
             token_scale = gl.expand_dims(value_params.slice(step * T, T).load(gl.SliceLayout(1, SCORES)).to(gl.float32), 1)
             token_zero = gl.expand_dims(
@@ -1513,17 +1481,13 @@ def _decode_split_kernel_mma(
                 p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
                 p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
             _barrier()  # every warp's tokens of p are in shared memory
-            values = _group_values(
-                value_words, p_high_smem, p_low_smem, value_mask, 0, step, D, T_G, BITS_V, BLOCK_Q, PAIRED, MMA, A8, B8, VALUE_BYTES, ACC
-            )
-            values = values.to(gl.float32) * value_scale
-            if STAGE_GROUPS == 2:
-                second = _group_values(
+            for group in gl.static_range(STAGE_GROUPS):
+                group_values = _group_values(
                     value_words,
                     p_high_smem,
                     p_low_smem,
                     value_mask,
-                    1,
+                    group,
                     step,
                     D,
                     T_G,
@@ -1536,7 +1500,10 @@ def _decode_split_kernel_mma(
                     VALUE_BYTES,
                     ACC,
                 )
-                values += second.to(gl.float32) * second_value_scale
+                if group == 0:
+                    values = group_values.to(gl.float32) * value_scale
+                else:
+                    values += group_values.to(gl.float32) * second_value_scale
             alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
             acc = acc * alpha_acc + values
             m_i = m_new
@@ -1620,7 +1587,7 @@ def default_splits(query: torch.Tensor, kv_programs: int, max_groups: int, group
     The kernel launches with at most ``MAX_REGISTERS`` = 128 registers per thread (uncapped it takes
     142, three programs per multiprocessor) and ``STAGES`` = 3. Its instructions depend on
     shared-memory loads closely, so it needs the fourth program's warps to hide their latency; with
-    128-token groups a fifth (96 registers) is no faster. The stage count and the slots filled are
+    128-token steps a fifth (96 registers) is no faster. The stage count and the slots filled are
     chosen for large batches on an H200 (``python benchmarks/bench_attention.py --sweep-mma`` and
     ``--sweep-occupancy`` time the alternatives): 2 and 4 stages are about as fast as 3 there, and
     filling 4 slots beats filling 2, 3 or 5 at batch 1 and 32.
