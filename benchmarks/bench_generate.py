@@ -145,24 +145,45 @@ def real_model_tokens(path: str, new_tokens: int = 200, device: str = "cuda") ->
     patch_model(model.eval(), "pnmix-1")
     messages = [{"role": "user", "content": "Explain step by step how a hash map handles collisions, with an example in Python."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
-    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-    graphed = model.generate(ids, cache_implementation="static", compile_config=CompileConfig(), **settings)[0, ids.shape[1] :]
-    eager_static = model.generate(ids, cache_implementation="static", disable_compile=True, **settings)[0, ids.shape[1] :]
-    eager_dynamic = model.generate(ids, **settings)[0, ids.shape[1] :]
+    settings = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.eos_token_id,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    runs = {
+        "graphed": model.generate(ids, cache_implementation="static", compile_config=CompileConfig(), **settings),
+        "eager_static": model.generate(ids, cache_implementation="static", disable_compile=True, **settings),
+        "eager_dynamic": model.generate(ids, **settings),
+    }
+    tokens = {name: run.sequences[0, ids.shape[1] :] for name, run in runs.items()}
     state = pnmix_patch.api.patch_state(model)
     captured = state.generate_call is not None and state.generate_call.step is not None and state.generate_call.step.captured
 
-    def first_difference(a, b):
-        different = (a != b).nonzero()
-        return None if different.numel() == 0 else int(different[0, 0])
+    def first_difference(other: str) -> dict | None:
+        """Where ``other``'s greedy tokens first leave the graphed run's, and at that step each run's
+        logit margin between the two tokens (what it picked minus what the other picked): a margin
+        within float noise in both runs is a near tie, not a wrong step."""
+        different = (tokens["graphed"] != tokens[other]).nonzero()
+        if different.numel() == 0:
+            return None
+        step = int(different[0, 0])
+        picks = int(tokens["graphed"][step]), int(tokens[other][step])
+        margins = {}
+        for name, (mine, theirs) in (("graphed", picks), (other, picks[::-1])):
+            logits = runs[name].logits[step][0].float()
+            margins[name] = float(logits[mine] - logits[theirs])
+        return {"new_token": step, "tokens": picks, "margins": margins}
 
     result = {
         "prompt_tokens": ids.shape[1],
         "new_tokens": new_tokens,
         "graph_captured": captured,
-        "first_difference_graphed_vs_eager_static": first_difference(graphed, eager_static),
-        "first_difference_graphed_vs_eager_dynamic": first_difference(graphed, eager_dynamic),
-        "graphed_text_head": tokenizer.decode(graphed[:60]),
+        "first_difference_graphed_vs_eager_static": first_difference("eager_static"),
+        "first_difference_graphed_vs_eager_dynamic": first_difference("eager_dynamic"),
+        "graphed_text_head": tokenizer.decode(tokens["graphed"][:60]),
     }
     print(result, flush=True)
     return result
