@@ -1,8 +1,8 @@
 """The repository states what the code is, not how it was made, and its links stay inside it.
 
-Every tracked text file is read: no development diary (steps counted by ordinals, work sessions,
-issue numbers, figures kept as "superseded" or "not adopted"), no reference to files outside the
-repository, and every relative markdown link points to a file that exists in it.
+Every tracked text file is read: no narration of how the code was made (the words :data:`DIARY`
+matches), no reference to files outside the repository, and every relative markdown link points to
+a file that exists in it.
 """
 
 import re
