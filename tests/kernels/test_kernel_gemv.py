@@ -33,7 +33,7 @@ def assert_close_to_float64(got: torch.Tensor, want: torch.Tensor, columns: int)
     torch.testing.assert_close(got.double(), want, atol=atol, rtol=1e-6 if got.dtype == torch.float32 else 1e-3)
 
 
-def test_cuda_dispatch_runs_triton_and_falls_back_for_strided_weights(monkeypatch):
+def test_launcher_on_cpu_tensors_runs_triton_and_falls_back_for_strided_weights(monkeypatch):
     """``_gemv_cuda`` called on CPU tensors (the kernel interpreted): contiguous weights go to Triton,
     strided ones (and inputs of any stride) to ``F.linear``, same results."""
     import pnmix_patch.kernels.gemv as module
@@ -108,7 +108,7 @@ def test_triton_gemv_stacked_matches_linear(stack, columns, dtype, with_bias):
     assert_close_to_float64(got, want, columns)
 
 
-def test_stacked_cuda_dispatch_falls_back_for_strided_weights(monkeypatch):
+def test_stacked_launcher_on_cpu_tensors_falls_back_for_strided_weights(monkeypatch):
     import pnmix_patch.kernels.gemv as module
 
     generator = seeded()

@@ -37,7 +37,7 @@ def test_triton_gemv_swiglu_matches_float64(rows, columns, dtype, with_bias):
     assert_close_to_float64(got / (columns**0.5 + 1), float64_swiglu(*args) / (columns**0.5 + 1), columns)
 
 
-def test_cuda_dispatch_runs_triton_and_falls_back_for_strided_weights(monkeypatch):
+def test_launcher_on_cpu_tensors_runs_triton_and_falls_back_for_strided_weights(monkeypatch):
     import pnmix_patch.kernels.gemv_swiglu as module
 
     x, gate, up, _, _ = inputs(6, 10, torch.float16, False, seeded())
