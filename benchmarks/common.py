@@ -135,7 +135,7 @@ def report_writer(out: str, name: str, script: str) -> callable:
     header = {
         "date": time.strftime("%Y-%m-%d"),
         "commit": code_commit(),
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
         "host": platform.node(),
         "command": " ".join([f"python {script}"] + sys.argv[1:]),

@@ -1002,7 +1002,9 @@ def _step_values(
         for group in gl.static_range(STAGE_GROUPS):
             p_high = p_high_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
             # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T_G]: no data moves.
-            words = value_words.slice(group * V_ROWS + value_pair * (D // 4), D // 4, 0).slice(step * (T_G // 4), T_G // 4, 1).load(VALUE_WORDS)
+            words = (
+                value_words.slice(group * V_ROWS + value_pair * (D // 4), D // 4, 0).slice(step * (T_G // 4), T_G // 4, 1).load(VALUE_WORDS)
+            )
             words = gl.expand_dims(gl.expand_dims(words, 1), 3)
             words = gl.convert_layout(
                 gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T_G // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T_G]),
@@ -1473,24 +1475,27 @@ def _decode_split_kernel_mma(
                 p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
                 p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
             _barrier()  # every warp's tokens of p are in shared memory
-            values = _step_values(
-                value_words,
-                p_high_smem,
-                p_low_smem,
-                value_mask,
-                step,
-                D,
-                T_G,
-                STAGE_GROUPS,
-                BITS_V,
-                BLOCK_Q,
-                PAIRED,
-                MMA,
-                A8,
-                B8,
-                VALUE_BYTES,
-                ACC,
-            ).to(gl.float32) * value_scale
+            values = (
+                _step_values(
+                    value_words,
+                    p_high_smem,
+                    p_low_smem,
+                    value_mask,
+                    step,
+                    D,
+                    T_G,
+                    STAGE_GROUPS,
+                    BITS_V,
+                    BLOCK_Q,
+                    PAIRED,
+                    MMA,
+                    A8,
+                    B8,
+                    VALUE_BYTES,
+                    ACC,
+                ).to(gl.float32)
+                * value_scale
+            )
             alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
             acc = acc * alpha_acc + values
             m_i = m_new
@@ -1728,3 +1733,48 @@ def mma_decode_attention(
         residual_values,
         residual_len,
     )
+
+
+def compile_offline(
+    head_dim: int,
+    ratio: int,
+    group_size: int,
+    num_high: int,
+    bits_high: int,
+    bits_low: int,
+    bits_value: int,
+    dtype: torch.dtype,
+    capability: int = 90,
+    max_registers: int | None = MAX_REGISTERS,
+):
+    """The split kernel for a cache of these shapes, compiled for a GPU of compute ``capability`` (90:
+    H100/H200) on any machine, GPU or not: Triton's compiled kernel (``.asm["ptx"]``, ``["cubin"]``).
+    The constexprs are the launcher's (:func:`kernel_constants`); pointers and strides are specialized
+    as divisible by 16, as a launch on such a cache specializes them. For the sm_90 build test and
+    ``benchmarks/bench_kernel_instructions.py``; needs the compiler, so not under ``TRITON_INTERPRET=1``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}; got {dtype}")
+    kernel = _decode_split_kernel_mma
+    constants = kernel_constants(head_dim, ratio, group_size, num_high, bits_high, bits_low, bits_value)
+    pointer_types = {name: "*i32" for name in ("kc_high_ptr", "kc_low_ptr", "vc_ptr", "sink_len_ptr", "num_groups_ptr", "res_len_ptr")}
+    pointer_types.update(order_ptr="*i64", m_out_ptr="*fp32", l_out_ptr="*fp32", acc_out_ptr="*fp32")
+    floats = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
+
+    def arg_type(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name.endswith("_ptr"):
+            return pointer_types.get(name, floats)
+        return "fp32" if name == "qk_scale" else "i32"
+
+    signature = {name: arg_type(name) for name in kernel.arg_names}
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(kernel.arg_names)
+        if name not in constants and (name.endswith("_ptr") or name.startswith("s_"))
+    }
+    options = {"num_warps": NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers})}
+    return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", capability, 32), options=options)

@@ -333,42 +333,10 @@ def compile_for_sm90(layout: str, head_dim: int, ratio: int, dtype_name: str) ->
     """PTX of the split kernel built for an H100/H200 (sm_90) on this machine for a ``kernel_cases``
     layout; run without ``TRITON_INTERPRET`` (the interpreter replaces the language functions the
     compiler needs)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     _, group, bits_high, bits_low = LAYOUTS[layout]
-    dtype = getattr(torch, dtype_name)
-    kernel = mma._decode_split_kernel_mma
-    constants = mma.kernel_constants(head_dim, ratio, group, num_high(layout, head_dim), bits_high, bits_low, 2)
-    floats = {torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    types = {
-        "order_ptr": "*i64",
-        "kc_high_ptr": "*i32",
-        "kc_low_ptr": "*i32",
-        "vc_ptr": "*i32",
-        "sink_len_ptr": "*i32",
-        "num_groups_ptr": "*i32",
-        "res_len_ptr": "*i32",
-        "m_out_ptr": "*fp32",
-        "l_out_ptr": "*fp32",
-        "acc_out_ptr": "*fp32",
-    }
-    signature = {
-        name: "constexpr"
-        if name in constants
-        else types.get(name, floats)
-        if name.endswith("_ptr")
-        else "fp32"
-        if name == "qk_scale"
-        else "i32"
-        for name in kernel.arg_names
-    }
-    compiled = triton.compile(
-        GluonASTSource(kernel, signature, constants),
-        target=GPUTarget("cuda", 90, 32),
-        options={"num_warps": mma.NUM_WARPS},
-    )
-    return compiled.asm["ptx"]
+    return mma.compile_offline(head_dim, ratio, group, num_high(layout, head_dim), bits_high, bits_low, 2, getattr(torch, dtype_name)).asm[
+        "ptx"
+    ]
 
 
 @pytest.mark.parametrize(
