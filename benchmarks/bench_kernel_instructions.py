@@ -67,7 +67,8 @@ def instructions(sass: str) -> tuple[list[tuple[int, str, int]], dict[str, int]]
     found, labels, line, pending = [], {}, -1, []
     for text in sass.splitlines():
         if match := LINE.search(text):
-            line = int(match.group(2)) if Path(match.group(1)) == SOURCE else -1
+            # By file name: Triton's cache may hold a build made from another copy of the file.
+            line = int(match.group(2)) if Path(match.group(1)).name == SOURCE.name else -1
         elif match := LABEL.match(text.strip()):
             pending.append(match.group(1))
         elif match := ADDRESS.match(text):
