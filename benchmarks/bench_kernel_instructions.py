@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import os
 import re
 import subprocess
@@ -96,6 +97,7 @@ def main_loop(found, labels) -> list[tuple[int, str, int]]:
     return best
 
 
+@functools.cache
 def functions_by_line() -> list[tuple[int, str]]:
     """``(first line, name)`` of each top-level function of the kernel's source file."""
     lines = SOURCE.read_text().splitlines()
@@ -137,12 +139,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()
     write = report_writer(args.out, "bench_kernel_instructions.json", "benchmarks/bench_kernel_instructions.py")
+    build = {"triton": triton.__version__, "target": "sm_90", "max_registers": mma.MAX_REGISTERS}
     results = {}
     for name, shape in CONFIGURATIONS.items():
         results[name] = count(*shape)
-        write(triton=triton.__version__, target="sm_90", max_registers=mma.MAX_REGISTERS, configurations=results)
+        write(**build, configurations=results)
         print(f"{name:14s} {results[name]['instructions_per_128_tokens']:7.1f} instructions per 128 tokens", flush=True)
-    write(complete=True, triton=triton.__version__, target="sm_90", max_registers=mma.MAX_REGISTERS, configurations=results)
+    write(complete=True, **build, configurations=results)
     names = list(results)
     functions = sorted(
         {f for r in results.values() for f in r["by_function"]}, key=lambda f: -max(r["by_function"].get(f, 0) for r in results.values())
