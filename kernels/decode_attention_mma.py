@@ -43,9 +43,10 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   scale per query column: ``y = 127 * x / peak``, ``high = round(y)``, ``low = round(128 * (y -
   high))``, 15 significant bits against bf16's 8; ``result = (128 * acc_high + acc_low) * peak /
   (127 * 128)``. Keys: ``peak`` is the column's largest ``|q * scale|`` of the group; the operands
-  are made once per group by all warps into shared memory. Values: ``peak`` is the group's
-  largest token scale (``p <= 1``). The parts are rounded by adding 1.5 * 2^23 and reading the
-  float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no float-to-integer conversion.
+  are made once per group by all warps into shared memory. Values: ``peak`` is the largest
+  token scale of the stage's one or two groups (``p <= 1``, see below). The parts are rounded by
+  adding 1.5 * 2^23 and reading the float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no
+  float-to-integer conversion.
 - Every key level meets the same B operand, the levels weighted by Horner's scheme: from the
   top level down, the integer accumulators are multiplied by 4 (a pair of planes per level; 2 for
   byte quads, a plane per level) and the next level's MMA is added (one shift per accumulator
@@ -94,9 +95,10 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
 A step covers 128 tokens (4 warps x 2 x 16 rows; 64 where the value codes have 4 bits, see
 :func:`step_tokens`): one softmax update per step. With 64-token groups (``pnmix-2``) a step covers
 two groups: the rows of a warp's first 16-row tile are the first group's, those of its second tile
-the second's (:func:`_join_groups`), and each group's key and value products are made on its own
-operands (its query times its channel scales; its token scales' peak), so groups of any size take
-the softmax, the barriers and the accumulator rescaling of 128-token steps. A split takes whole
+the second's (:func:`_join_groups`), and each group's key products are made on its own operands
+(its query times its channel scales); the value products of both go into one set of accumulators on
+operands of one peak (the stage's largest token scale), so groups of any size take the softmax, the
+barriers, the value accumulators and their rescaling of 128-token steps. A split takes whole
 stages (``G`` a power of two, at least 64; its last stage may hold one group of two). The query
 heads of a KV head are the MMA's N dimension (8 or 16).
 """
@@ -221,8 +223,8 @@ def step_tokens(group_size: int, value_bits: int) -> int:
 def group_step_tokens(group_size: int, value_bits: int) -> int:
     """Tokens of one key group in a step: the step's (:func:`step_tokens`), or the whole group where a
     step covers two groups (64-token groups, 128-token steps). Each group of a step has its own query
-    operands and value scale, so the products of a step are made group by group, on operands of this
-    many tokens; only the softmax update is shared."""
+    operands, so the key products of a step are made group by group, on operands of this many tokens;
+    the softmax update and the value accumulators are shared."""
     return min(step_tokens(group_size, value_bits), group_size)
 
 
@@ -320,16 +322,18 @@ def layouts(head_dim: int, high_width: int, query_rows: int, groups: int, tokens
 
 
 def query_layout(groups: int, rows: int, cols: int) -> gl.BlockedLayout:
-    """A blocked layout of the 4 warps over ``[groups, rows, cols]``: every group in each thread's
-    registers, and over ``[rows, cols]`` up to 4 consecutive elements of a row per thread, lanes along
-    the row, warps along the columns only where the rows are fewer than the warps (a tensor of fewer
-    than 128 elements per group is then held more than once). Used for the query operands ``[key
-    groups of a step, query heads, tile width]``: with 4 or more heads a row's reduction stays within
-    a warp."""
-    vector = max(1, min(4, rows * cols // (32 * NUM_WARPS)))
-    lanes_col = min(32, cols // vector)
+    """A blocked layout of the 4 warps over ``[groups, rows, cols]``: the groups in separate lanes
+    (``32 / groups`` lanes each), and over each group's ``[rows, cols]`` up to ``4 * groups``
+    consecutive elements of a row per thread, the group's lanes along the row, warps along the columns
+    only where the rows are fewer than the warps (a tensor of fewer than ``32 / groups * 4`` elements
+    per group is then held more than once). Used for the query operands ``[key groups of a step, query
+    heads, tile width]``: with 4 or more heads a row's reduction stays within a warp, and one shuffle
+    reduces every group's rows at once."""
+    lanes = 32 // groups
+    vector = max(1, min(4 * groups, rows * cols // (lanes * NUM_WARPS)))
+    lanes_col = min(lanes, cols // vector)
     warps_col = max(1, min(NUM_WARPS, cols // (vector * lanes_col)))
-    return gl.BlockedLayout([groups, 1, vector], [1, 32 // lanes_col, lanes_col], [1, NUM_WARPS // warps_col, warps_col], [2, 1, 0])
+    return gl.BlockedLayout([1, 1, vector], [groups, lanes // lanes_col, lanes_col], [1, NUM_WARPS // warps_col, warps_col], [2, 1, 0])
 
 
 def _accumulator_bases(rows: int, columns: int) -> tuple[list, list, list]:
@@ -551,7 +555,9 @@ def _load_group_params(
     """Key scales and zeros ``[2, STAGE_GROUPS * D]`` and value scales and zeros ``[2, STAGE_GROUPS *
     G]`` (row 0: scales, row 1: zeros; each group's after the one before: they are consecutive in the
     cache) of the key groups from ``group`` on, of which the first ``count`` are read (16-bit, any
-    alignment: plain loads, stored to shared memory later by :func:`_store_group_params`)."""
+    alignment: plain loads, stored to shared memory later by :func:`_store_group_params`). The token
+    scales and zeros of the others are 0: a stage's one value peak (:func:`_group_operands`) and its
+    products with ``p`` (0 there) stay those of its read groups."""
     is_scale_d = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_D)), 1) == 0
     d = gl.expand_dims(gl.arange(0, STAGE_GROUPS * D, layout=gl.SliceLayout(0, PARAMS_D)), 0)
     is_scale_g = gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(1, PARAMS_G)), 1) == 0
@@ -562,7 +568,7 @@ def _load_group_params(
     t += group * G
     return (
         gl.load(gl.where(is_scale_d, k_scale + d, k_zero + d), mask=d_mask),
-        gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=t_mask),
+        gl.load(gl.where(is_scale_g, v_scale + t, v_zero + t), mask=t_mask, other=0.0),
     )
 
 
@@ -742,22 +748,19 @@ def _group_operands(
     value_unit,
     D: gl.constexpr,
     G: gl.constexpr,
-    T: gl.constexpr,
     STAGE_GROUPS: gl.constexpr,
     W_HIGH: gl.constexpr,
     QUERY_ROWS: gl.constexpr,
     PAIRED: gl.constexpr,
     QUERY: gl.constexpr,
-    GROUP_PER_WARP: gl.constexpr,
-    SCORES: gl.constexpr,
+    STAGE_TOKENS: gl.constexpr,
 ):
     """The operands of the ``STAGE_GROUPS`` key groups whose scales and zeros are in ``stage``: the 8-bit
     query operands of both key tiles and the columns' score scale and offset of each group, stored to
     shared memory (``q_high``, ``q_low``: the query of each tile's channels times ``qk_scale``,
     ``[QUERY_ROWS, W]``); returned, the values' factors: the inverse that makes ``p * token scale``
-    8-bit (:func:`_split_8bit`) for each of a step's ``T`` tokens (``[T, 1]`` in ``SCORES``: its group's)
-    and each group's scale of the accumulators per channel row (``value_unit`` times the group's
-    largest token scale / (127 * 128); the second is the first's when a step has one group). Needs no
+    8-bit (:func:`_split_8bit`) and the scale of the accumulators per channel row (``value_unit``
+    times the stage's largest token scale / (127 * 128)), one of each for the stage's groups. Needs no
     barrier of its own: the kernel calls it where every warp is done with the previous stage's
     operands, after the value products in source order (``ptxas`` then interleaves the two; placed
     before them, its shared stores would keep the products' shared loads waiting)."""
@@ -766,19 +769,11 @@ def _group_operands(
     # scale per column and group (its largest |q * scale| is 127). Per group g: scales in row g, zeros
     # in row STAGE_GROUPS + g.
     key_params = key_param_smem.index(stage).reshape([2 * STAGE_GROUPS, D])
-    # The values' 8-bit parts: y = p * token scale * 127 / (the group's largest token scale), p <= 1.
-    value_scales = value_param_smem.index(stage).reshape([2 * STAGE_GROUPS, G]).slice(0, STAGE_GROUPS, 0)
-    value_peak = gl.max(value_scales.load(GROUP_PER_WARP).to(gl.float32), 1)  # [STAGE_GROUPS]
-    value_inverse = _operand_inverse(value_peak)
-    groups = gl.arange(0, STAGE_GROUPS, layout=gl.SliceLayout(1, GROUP_PER_WARP))
-    first_peak = gl.sum(gl.where(groups == 0, value_peak, 0.0), 0)
-    value_scale = value_unit * (first_peak * (1.0 / (127.0 * 128.0)))
-    second_scale = value_scale
-    token_inverse = gl.zeros([T], gl.float32, gl.SliceLayout(1, SCORES)) + gl.sum(gl.where(groups == 0, value_inverse, 0.0), 0)
-    if STAGE_GROUPS == 2:  # the step's second half of tokens: the second group's
-        second_scale = value_unit * (gl.sum(gl.where(groups == 1, value_peak, 0.0), 0) * (1.0 / (127.0 * 128.0)))
-        second_tokens = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES)) >= T // 2
-        token_inverse = gl.where(second_tokens, gl.sum(gl.where(groups == 1, value_inverse, 0.0), 0), token_inverse)
+    # The values' 8-bit parts: y = p * token scale * 127 / (the stage's largest token scale), p <= 1 (one
+    # peak for the stage's groups: their value products share a step's accumulators).
+    value_peak = gl.max(value_param_smem.index(stage).slice(0, 1, 0).load(STAGE_TOKENS).to(gl.float32), 1)  # [1]
+    value_inverse = gl.sum(_operand_inverse(value_peak), 0)
+    value_scale = value_unit * (gl.sum(value_peak, 0) * (1.0 / (127.0 * 128.0)))
     # Per group and column: the largest |q * scale| and sum(q * zero), one reduction each ([groups, QUERY_ROWS, W]).
     PARAMS: gl.constexpr = gl.SliceLayout(1, QUERY)
     if W_HIGH > 0:
@@ -810,7 +805,7 @@ def _group_operands(
     # Score = (128 * high + low) * peak / (127 * 128) * key_unit + offset, per group [STAGE_GROUPS * QUERY_ROWS].
     column_scale_smem.store(gl.reshape(peak * (1.0 / (127.0 * 128.0)), [STAGE_GROUPS * QUERY_ROWS]))
     column_offset_smem.store(gl.reshape(k_offset, [STAGE_GROUPS * QUERY_ROWS]))
-    return gl.expand_dims(token_inverse, 1), value_scale, second_scale
+    return value_inverse, value_scale
 
 
 @gluon.jit
@@ -972,15 +967,15 @@ def _join_groups(first, second, SCORES: gl.constexpr):
 
 
 @gluon.jit
-def _group_values(
+def _step_values(
     value_words,
     p_high_smem,
     p_low_smem,
     value_mask,
-    group: gl.constexpr,
     step: gl.constexpr,
     D: gl.constexpr,
     T_G: gl.constexpr,
+    STAGE_GROUPS: gl.constexpr,
     BITS_V: gl.constexpr,
     BLOCK_Q: gl.constexpr,
     PAIRED: gl.constexpr,
@@ -990,16 +985,13 @@ def _group_values(
     VALUE_BYTES: gl.constexpr,
     ACC: gl.constexpr,
 ):
-    """The integer value sums ``[D, QUERY_ROWS]`` (``ACC``) of the stage's key group ``group`` in step
-    ``step``: its value field words (from row ``group * b_V * D / 32 * 4`` of the stage's
-    ``value_words``) times its tokens' 8-bit parts of ``p * scale`` (columns ``group * T_G`` on of the
-    step's ``p`` buffers), Horner's scheme over the field words; ``128 * high + low``."""
+    """The integer value sums ``[D, QUERY_ROWS]`` (``ACC``) of step ``step`` of the stage: each group's
+    value field words (group g's from row ``g * b_V * D / 32 * 4`` of the stage's ``value_words``)
+    times its tokens' 8-bit parts of ``p * scale`` (columns ``g * T_G`` on of the step's ``p``
+    buffers), the groups into the same accumulators, Horner's scheme over the field words; ``128 *
+    high + low``."""
     V_ROWS: gl.constexpr = BITS_V * (D // 32) * 4
     VALUE_WORDS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(3, VALUE_BYTES))  # [D / 4, T_G / 4]
-    p_high = p_high_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
-    p_low = p_high
-    if not PAIRED:
-        p_low = p_low_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
     v_high = gl.zeros([D, BLOCK_Q], gl.int32, layout=MMA)
     v_low = v_high
     for value_pair in gl.static_range(BITS_V // 2 - 1, -1, -1):  # Horner's scheme over the field words
@@ -1007,18 +999,22 @@ def _group_values(
             v_high = v_high * 4
             if not PAIRED:
                 v_low = v_low * 4
-        # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T_G]: no data moves.
-        words = value_words.slice(group * V_ROWS + value_pair * (D // 4), D // 4, 0).slice(step * (T_G // 4), T_G // 4, 1).load(VALUE_WORDS)
-        words = gl.expand_dims(gl.expand_dims(words, 1), 3)
-        words = gl.convert_layout(
-            gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T_G // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T_G]),
-            A8,
-            assert_trivial=True,
-        )
-        operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
-        v_high = mma_v2(operand, p_high, v_high)
-        if not PAIRED:
-            v_low = mma_v2(operand, p_low, v_low)
+        for group in gl.static_range(STAGE_GROUPS):
+            p_high = p_high_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8)
+            # [channel // 4, token quad] -> broadcast over (field, token within the quad) -> [D, T_G]: no data moves.
+            words = (
+                value_words.slice(group * V_ROWS + value_pair * (D // 4), D // 4, 0).slice(step * (T_G // 4), T_G // 4, 1).load(VALUE_WORDS)
+            )
+            words = gl.expand_dims(gl.expand_dims(words, 1), 3)
+            words = gl.convert_layout(
+                gl.reshape(gl.broadcast(words, gl.zeros([D // 4, 4, T_G // 4, 4], gl.int32, VALUE_BYTES))[0], [D, T_G]),
+                A8,
+                assert_trivial=True,
+            )
+            operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, value_mask], gl.int8, True, 4)
+            v_high = mma_v2(operand, p_high, v_high)
+            if not PAIRED:
+                v_low = mma_v2(operand, p_low_smem.slice(group * T_G, T_G, 1).permute([1, 0]).load(B8), v_low)
     if PAIRED:
         v_high, v_low = _pair_parts(v_high, ACC)
     return v_high * 128 + v_low
@@ -1167,7 +1163,7 @@ def _decode_split_kernel_mma(
     VALUE_SHARED: gl.constexpr,
     PARAMS_D: gl.constexpr,
     PARAMS_G: gl.constexpr,
-    GROUP_PER_WARP: gl.constexpr,
+    STAGE_TOKENS: gl.constexpr,
     PARTIALS: gl.constexpr,
     OUT: gl.constexpr,
     SCORES: gl.constexpr,
@@ -1231,7 +1227,7 @@ def _decode_split_kernel_mma(
 
     # Packed groups: this split's slice of the sequence's groups, taken STAGE_GROUPS at a time (a stage:
     # one or, for 64-token groups in 128-token steps, two groups; a step's groups share its softmax
-    # update, each has its own query operands and value scale).
+    # update and value accumulators, each has its own query operands).
     STAGE_GROUPS: gl.constexpr = T // T_G
     GROUP_STEPS: gl.constexpr = G // T_G
     n_groups = gl.minimum(gl.load(num_groups_ptr + b), group_cap)
@@ -1350,7 +1346,7 @@ def _decode_split_kernel_mma(
         params = _load_group_params(first, group_end - first, k_scale, k_zero, v_scale, v_zero, D, G, STAGE_GROUPS, PARAMS_D, PARAMS_G)
         _store_group_params(key_param_smem, value_param_smem, i, params)
     # The first stage's operands; each later stage's are made during the value products of the one before.
-    value_inverse, value_scale, second_value_scale = _group_operands(
+    value_inverse, value_scale = _group_operands(
         key_param_smem,
         value_param_smem,
         0,
@@ -1365,14 +1361,12 @@ def _decode_split_kernel_mma(
         value_unit,
         D,
         G,
-        T,
         STAGE_GROUPS,
         W_HIGH,
         QUERY_ROWS,
         PAIRED,
         QUERY,
-        GROUP_PER_WARP,
-        SCORES,
+        STAGE_TOKENS,
     )
     for first in range(group_start, group_end, STAGE_GROUPS):
         # Wait for this stage's codes (the next STAGES - 2 stages' copies stay in flight); the barrier
@@ -1481,16 +1475,16 @@ def _decode_split_kernel_mma(
                 p_high_smem.store(gl.permute(_int8(p_high), [1, 0]))
                 p_low_smem.store(gl.permute(_int8(p_low), [1, 0]))
             _barrier()  # every warp's tokens of p are in shared memory
-            for group in gl.static_range(STAGE_GROUPS):
-                group_values = _group_values(
+            values = (
+                _step_values(
                     value_words,
                     p_high_smem,
                     p_low_smem,
                     value_mask,
-                    group,
                     step,
                     D,
                     T_G,
+                    STAGE_GROUPS,
                     BITS_V,
                     BLOCK_Q,
                     PAIRED,
@@ -1499,18 +1493,16 @@ def _decode_split_kernel_mma(
                     B8,
                     VALUE_BYTES,
                     ACC,
-                )
-                if group == 0:
-                    values = group_values.to(gl.float32) * value_scale
-                else:
-                    values += group_values.to(gl.float32) * second_value_scale
+                ).to(gl.float32)
+                * value_scale
+            )
             alpha_acc = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(0, ACC), assert_trivial=True), 0)
             acc = acc * alpha_acc + values
             m_i = m_new
             if step == GROUP_STEPS - 1:
                 # The next stage's operands, independent of this stage's value products (the barriers
                 # above ended every warp's reads of the query operands and column factors of this stage).
-                next_value_inverse, next_value_scale, next_second_value_scale = _group_operands(
+                next_value_inverse, next_value_scale = _group_operands(
                     key_param_smem,
                     value_param_smem,
                     (first + STAGE_GROUPS - group_start) // STAGE_GROUPS % STAGES,
@@ -1525,18 +1517,15 @@ def _decode_split_kernel_mma(
                     value_unit,
                     D,
                     G,
-                    T,
                     STAGE_GROUPS,
                     W_HIGH,
                     QUERY_ROWS,
                     PAIRED,
                     QUERY,
-                    GROUP_PER_WARP,
-                    SCORES,
+                    STAGE_TOKENS,
                 )
         value_inverse = next_value_inverse
         value_scale = next_value_scale
-        second_value_scale = next_second_value_scale
     async_copy.wait_group(0)
     l_i += gl.sum(l_rows, 0)
     acc += gl.expand_dims(gl.convert_layout(gl.sum(zero_rows, 0), gl.SliceLayout(0, ACC)), 0)
@@ -1619,7 +1608,9 @@ def kernel_constants(
     assert key_distance == key_word_distance(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
     kernel_layouts = layouts(head_dim, high_width, query_rows, stage_groups, group_tokens, key_distance)
     mma = kernel_layouts["MMA"]
-    params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])  # [2, D or G] scales and zeros: lanes along the columns
+    # [2, stage groups * D or G] scales and zeros: lanes along the columns; where a stage has two key
+    # groups, two consecutive key channels per thread (one 32-bit load)
+    params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     score_planes = max(planes_high if high_width > 0 else 0, bits_low if high_width < head_dim else 0)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
@@ -1654,10 +1645,10 @@ def kernel_constants(
         VALUE_SHARED=value_shared_layout(group_size, group_tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, group_tokens),
-        PARAMS_D=params,
+        PARAMS_D=gl.BlockedLayout([2, stage_groups], [1, 32], [1, NUM_WARPS], [1, 0]),
         PARAMS_G=params,
-        # [stage groups, G]: the groups' token scales in every warp, the groups in each thread's registers
-        GROUP_PER_WARP=gl.BlockedLayout([stage_groups, group_size // 32], [1, 32], [NUM_WARPS, 1], [1, 0]),
+        # [1, stage groups * G]: the stage's token scales in every warp
+        STAGE_TOKENS=gl.BlockedLayout([1, stage_groups * group_size // 32], [1, 32], [NUM_WARPS, 1], [1, 0]),
         PARTIALS=partials_layout(query_rows, paired),
         OUT=gl.BlockedLayout([1, 1], [32, 1], [NUM_WARPS, 1], [0, 1]),
         SCORES=heads_layout(tokens) if paired else mma,

@@ -316,15 +316,15 @@ def test_supports_shapes(shapes, supported):
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("rows, cols", [(1, 64), (2, 64), (4, 32), (4, 64), (8, 64), (16, 64), (1, 128), (4, 128), (8, 128)])
 def test_query_layout_tiles_and_reduces_within_a_warp(groups, rows, cols):
-    """The query operands' layout ``[groups, query heads, tile width]``: a thread holds every group, a
+    """The query operands' layout ``[groups, query heads, tile width]``: each group in its own lanes, a
     CTA tile covers each group's ``[heads, width]`` (held more than once only when it has fewer than
-    128 elements), and from 4 heads on the warps split the heads, so the per-head reductions over the
-    tile stay within a warp."""
+    ``32 / groups * 4`` elements), and from 4 heads on the warps split the heads, so the per-head
+    reductions over the tile stay within a warp."""
     layout = mma.query_layout(groups, rows, cols)
-    assert layout.size_per_thread[0] == groups and layout.threads_per_warp[0] == layout.warps_per_cta[0] == 1
+    assert layout.size_per_thread[0] == layout.warps_per_cta[0] == 1 and layout.threads_per_warp[0] == groups
     tile = [s * t * w for s, t, w in zip(layout.size_per_thread[1:], layout.threads_per_warp[1:], layout.warps_per_cta[1:])]
-    assert cols % tile[1] == 0 and (rows % tile[0] == 0 or rows * cols < 32 * mma.NUM_WARPS)
-    assert layout.size_per_thread[2] <= 4 and layout.threads_per_warp[1] * layout.threads_per_warp[2] == 32
+    assert cols % tile[1] == 0 and (rows % tile[0] == 0 or rows * cols < 32 // groups * mma.NUM_WARPS)
+    assert layout.size_per_thread[2] <= 4 * groups and layout.threads_per_warp[1] * layout.threads_per_warp[2] == 32 // groups
     if rows >= mma.NUM_WARPS:
         assert layout.warps_per_cta[2] == 1
 
