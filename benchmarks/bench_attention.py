@@ -24,6 +24,7 @@ Writes ``bench_attention.json`` under ``--out`` (default ``benchmarks/results``)
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -409,14 +410,14 @@ def sweep_splits(device) -> list[dict]:
 
 
 def sweep_mma(device) -> list[dict]:
-    """Register cap x split count x shared stages (``stages - 1`` key groups in flight) of the Gluon
-    split kernel (pnmix-1, bf16), the default flagged."""
+    """Register cap x split count x shared stages (``stages - 1`` stages of key groups in flight) of
+    the Gluon split kernel, pnmix-1 and pnmix-2 (bf16), the default flagged."""
     from pnmix_patch.kernels.decode_attention_mma import MAX_REGISTERS, STAGES, default_splits, mma_decode_attention
 
     rows = []
     candidates = {1: (16, 22, 33, 44, 66), 8: (4, 6, 8, 12, 16), 32: (1, 2, 3, 4), 64: (1, 2, 4)}
-    for batch, tokens in ((1, 32768), (8, 16384), (32, 16384), (64, 16384)):
-        args = build_cache(PRESETS["pnmix-1"], batch, tokens, torch.bfloat16, device)
+    for preset, (batch, tokens) in itertools.product(("pnmix-1", "pnmix-2"), ((1, 32768), (8, 16384), (32, 16384), (64, 16384))):
+        args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
         default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
         for stages in (2, 3, 4):
             for registers in (None, 128):
@@ -425,6 +426,7 @@ def sweep_mma(device) -> list[dict]:
                     flag = splits == default and registers == MAX_REGISTERS and stages == STAGES
                     rows.append(
                         {
+                            "preset": preset,
                             "batch": batch,
                             "context": tokens,
                             "stages": stages,
@@ -435,7 +437,7 @@ def sweep_mma(device) -> list[dict]:
                         }
                     )
                     print(
-                        f"  mma B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
+                        f"  mma {preset} B={batch:2d} T={tokens:6d} stages={stages} registers={registers} splits={splits:3d}: "
                         f"{ms * 1e3:8.1f} us" + ("  (default)" if flag else ""),
                         flush=True,
                     )
@@ -522,7 +524,11 @@ def main() -> None:
     parser.add_argument("--append-only", action="store_true", help="only the decode append's cost (and its bit-exactness)")
     parser.add_argument("--sweep-registers", action="store_true", help="only the split kernel's register-cap sweep")
     parser.add_argument("--sweep-splits", action="store_true", help="only the split kernel's split-count sweep")
-    parser.add_argument("--sweep-mma", action="store_true", help="only the Gluon kernel's groups-in-flight, register-cap and split sweep")
+    parser.add_argument(
+        "--sweep-mma",
+        action="store_true",
+        help="only the Gluon kernel's stages-in-flight, register-cap and split sweep, pnmix-1 and pnmix-2",
+    )
     parser.add_argument("--sweep-pnmix2-factors", action="store_true", help="only pnmix-2's group size and channel counts apart")
     parser.add_argument(
         "--sweep-occupancy",
