@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     HEAD_DIM,
     KV_HEADS,
+    PNMIX2_FACTORS,
     PRESETS,
     Q_HEADS,
     RESIDUAL,
@@ -443,17 +444,6 @@ def sweep_mma(device) -> list[dict]:
                     )
         del args
     return rows
-
-
-PNMIX2_FACTORS = {
-    "pnmix-1": PNMixConfig(),
-    "pnmix-1, G=64": PNMixConfig(key_group_size=64),
-    "pnmix-2, G=128": PNMixConfig(pair_ratio=0.4),
-    "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64),
-    "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2),
-}
-"""pnmix-2's two differences from pnmix-1 apart: its 64-token groups, and its 52 / 76-channel code
-tensors (byte-transposed words, not thread-owned ones: ``reference.quantize.thread_owned_keys``)."""
 
 
 def sweep_pnmix2_factors(device) -> list[dict]:

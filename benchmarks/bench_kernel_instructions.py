@@ -7,9 +7,10 @@ by opcode and by the kernel function whose source line they come from. A static 
 no memory traffic; it shows where a configuration spends instructions, and a kernel change's cost in
 instructions before any GPU time. Timings are ``bench_attention.py``'s.
 
-Configurations (head dim 128, 4 query heads per KV head, bf16, 2-bit values): the three presets the
-kernel serves and pnmix-2's two differences from pnmix-1 apart: ``pnmix-1 G64``, pnmix-1's channels (64 of
-128 selected) with 64-token groups, and ``pnmix-2 G128``, pnmix-2's channels (52 selected) with 128-token
+Configurations (the Qwen3-8B head shape of ``common``: head dim 128, 4 query heads per KV head; bf16):
+``bench_attention.py --sweep-pnmix2-factors``'s (``common.PNMIX2_FACTORS``), the three presets the kernel
+serves and pnmix-2's two differences from pnmix-1 apart: ``pnmix-1, G=64``, pnmix-1's channels (64 of 128
+selected) with 64-token groups, and ``pnmix-2, G=128``, pnmix-2's channels (52 selected) with 128-token
 groups.
 
 Usage::
@@ -34,18 +35,10 @@ if os.environ.get("TRITON_INTERPRET", "0") != "0":
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from common import report_writer  # noqa: E402
+from common import HEAD_DIM, KV_HEADS, PNMIX2_FACTORS, Q_HEADS, report_writer  # noqa: E402
 
 from pnmix_patch.kernels import decode_attention_mma as mma  # noqa: E402
 
-HEAD_DIM, RATIO, VALUE_BITS = 128, 4, 2
-CONFIGURATIONS = {  # name: (group size, selected channels, key bits of selected / other channels)
-    "pnmix-1": (128, 64, 3, 1),
-    "pnmix-2": (64, 52, 3, 1),
-    "kivi-2": (128, 128, 2, 2),
-    "pnmix-1 G64": (64, 64, 3, 1),  # pnmix-1's channels, 64-token groups
-    "pnmix-2 G128": (128, 52, 3, 1),  # pnmix-2's channels, 128-token groups
-}
 SOURCE = Path(mma.__file__)
 ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 LINE = re.compile(r'//## File "(.*?)", line (\d+)')
@@ -110,12 +103,14 @@ def opcode(text: str) -> str:
     return name if name.startswith(("LD", "ST", "IMMA", "HMMA")) else name.split(".")[0]
 
 
-def count(group_size: int, num_high: int, bits_high: int, bits_low: int) -> dict:
-    """The main loop's instructions per 128 tokens for one configuration (the loop takes a stage: one
-    key group, or two of 64 tokens)."""
-    compiled = mma.compile_offline(HEAD_DIM, RATIO, group_size, num_high, bits_high, bits_low, VALUE_BITS, torch.bfloat16)
+def count(config) -> dict:
+    """The main loop's instructions per 128 tokens for one configuration (a ``PNMixConfig``; the loop
+    takes a stage: one key group, or two of 64 tokens)."""
+    group_size, num_high = config.key_group_size, config.num_high_channels(HEAD_DIM)
+    shape = (HEAD_DIM, Q_HEADS // KV_HEADS, group_size, num_high, config.key_bits_high, config.key_bits_low, config.value_bits)
+    compiled = mma.compile_offline(*shape, torch.bfloat16)
     body = main_loop(*instructions(disassemble(compiled.asm["cubin"])))
-    tokens = max(mma.step_tokens(group_size, VALUE_BITS), group_size)
+    tokens = max(mma.step_tokens(group_size, config.value_bits), group_size)
     functions = functions_by_line()
 
     def function_of(line: int) -> str:
@@ -141,18 +136,18 @@ def main() -> None:
     write = report_writer(args.out, "bench_kernel_instructions.json", "benchmarks/bench_kernel_instructions.py")
     build = {"triton": triton.__version__, "target": "sm_90", "max_registers": mma.MAX_REGISTERS}
     results = {}
-    for name, shape in CONFIGURATIONS.items():
-        results[name] = count(*shape)
+    for name, config in PNMIX2_FACTORS.items():
+        results[name] = count(config)
         write(**build, configurations=results)
-        print(f"{name:14s} {results[name]['instructions_per_128_tokens']:7.1f} instructions per 128 tokens", flush=True)
+        print(f"{name:16s} {results[name]['instructions_per_128_tokens']:7.1f} instructions per 128 tokens", flush=True)
     write(complete=True, **build, configurations=results)
     names = list(results)
     functions = sorted(
         {f for r in results.values() for f in r["by_function"]}, key=lambda f: -max(r["by_function"].get(f, 0) for r in results.values())
     )
-    print("\nby kernel function:\n" + "function".ljust(28) + "".join(n.rjust(14) for n in names))
+    print("\nby kernel function:\n" + "function".ljust(28) + "".join(n.rjust(16) for n in names))
     for function in functions:
-        print(function.ljust(28) + "".join(f"{results[n]['by_function'].get(function, 0):14.1f}" for n in names))
+        print(function.ljust(28) + "".join(f"{results[n]['by_function'].get(function, 0):16.1f}" for n in names))
 
 
 if __name__ == "__main__":

@@ -1694,8 +1694,6 @@ def mma_decode_attention(
     heads = sink_keys.shape[1]
     group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
-    if max_registers is not None and (not isinstance(max_registers, int) or max_registers <= 0):
-        raise ValueError(f"max_registers must be a positive int or None; got {max_registers!r}")
     constants = dict(
         kernel_constants(
             head_dim,
@@ -1707,8 +1705,7 @@ def mma_decode_attention(
             value_codes.shape[3],
             stages,
         ),
-        num_warps=NUM_WARPS,
-        **({} if max_registers is None else {"maxnreg": max_registers}),
+        **launch_options(max_registers),
     )
     return split_and_merge(
         _decode_split_kernel_mma,
@@ -1733,6 +1730,14 @@ def mma_decode_attention(
         residual_values,
         residual_len,
     )
+
+
+def launch_options(max_registers: int | None) -> dict:
+    """The split kernel's compile options: :data:`NUM_WARPS` warps and ``max_registers`` per thread
+    (Triton's ``maxnreg``; None: the compiler's choice)."""
+    if max_registers is not None and (not isinstance(max_registers, int) or max_registers <= 0):
+        raise ValueError(f"max_registers must be a positive int or None; got {max_registers!r}")
+    return {"num_warps": NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers})}
 
 
 def compile_offline(
@@ -1776,5 +1781,5 @@ def compile_offline(
         for i, name in enumerate(kernel.arg_names)
         if name not in constants and (name.endswith("_ptr") or name.startswith("s_"))
     }
-    options = {"num_warps": NUM_WARPS, **({} if max_registers is None else {"maxnreg": max_registers})}
+    options = launch_options(max_registers)
     return triton.compile(GluonASTSource(kernel, signature, constants, aligned), target=GPUTarget("cuda", capability, 32), options=options)
