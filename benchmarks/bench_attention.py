@@ -417,7 +417,7 @@ def sweep_mma(device) -> list[dict]:
 
     rows = []
     candidates = {1: (16, 22, 33, 44, 66), 8: (4, 6, 8, 12, 16), 32: (1, 2, 3, 4), 64: (1, 2, 4)}
-    for preset, (batch, tokens) in itertools.product(("pnmix-1", "pnmix-2"), ((1, 32768), (8, 16384), (32, 16384), (64, 16384))):
+    for preset, (batch, tokens) in itertools.product(("pnmix-2", "pnmix-1"), ((1, 32768), (8, 16384), (32, 16384), (64, 16384))):
         args = build_cache(PRESETS[preset], batch, tokens, torch.bfloat16, device)
         default = default_splits(args[0], batch * KV_HEADS, args[5].shape[2], 32 * args[5].shape[4])
         for stages in (2, 3, 4):
