@@ -70,7 +70,7 @@ def check_correctness(device) -> dict:
     result = {"pack_bit_exact": {}, "decode_relative_error": {}}
     for dtype in (torch.float16, torch.bfloat16):
         for name, config in PRESETS.items():
-            num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+            num_high = config.num_high_channels(HEAD_DIM)
             group = config.key_group_size
             keys = (torch.randn(3, 4, 4 * group, HEAD_DIM, device=device) * torch.rand(HEAD_DIM, device=device) * 5).to(dtype)
             keys[0, 0, 5, 3] = float("inf")
@@ -195,7 +195,7 @@ def flush_cost(device, rows) -> list[dict]:
     """Pack one full 128-token residual per sequence at batch 32, amortized over 128 steps."""
     results = []
     for name, config in PRESETS.items():
-        num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+        num_high = config.num_high_channels(HEAD_DIM)
         residual = torch.randn(32, KV_HEADS, RESIDUAL, HEAD_DIM, device=device, dtype=torch.bfloat16)
         order = random_order(32, num_high, device)
         ms = median_ms(
@@ -229,7 +229,7 @@ def append_cost(device, batch: int, tokens: int) -> dict:
 
     config = PRESETS["pnmix-1"]
     heads, dim, groups = KV_HEADS, HEAD_DIM, tokens // config.key_group_size
-    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+    num_high = config.num_high_channels(HEAD_DIM)
 
     def zeros(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, device=device, dtype=dtype)

@@ -93,7 +93,7 @@ def random_order(batch, num_high, device, heads=KV_HEADS):
 def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, ragged=False):
     """Arguments of decode_attention for ``tokens`` cached tokens per sequence (kernels pack them)."""
     group = config.key_group_size
-    num_high = 2 * config.num_selected_pairs(HEAD_DIM)
+    num_high = config.num_high_channels(HEAD_DIM)
     groups = max((tokens - SINKS - RESIDUAL) // group, 0)
     residual = tokens - SINKS - groups * group
     order = random_order(batch, num_high, device)
