@@ -1608,9 +1608,6 @@ def kernel_constants(
     assert key_distance == key_word_distance(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
     kernel_layouts = layouts(head_dim, high_width, query_rows, stage_groups, group_tokens, key_distance)
     mma = kernel_layouts["MMA"]
-    # [2, stage groups * D or G] scales and zeros: lanes along the columns; where a stage has two key
-    # groups, two consecutive key channels per thread (one 32-bit load)
-    params = gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0])
     planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
     score_planes = max(planes_high if high_width > 0 else 0, bits_low if high_width < head_dim else 0)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
@@ -1645,8 +1642,10 @@ def kernel_constants(
         VALUE_SHARED=value_shared_layout(group_size, group_tokens),
         QUERY_SHARED=operand_shared_layout(tile, block_q, tile),
         P_SHARED=operand_shared_layout(tokens, block_q, group_tokens),
+        # [2, stage groups * D or G] scales and zeros, lanes along the columns; keys: where a stage has
+        # two groups, two consecutive channels per thread (one 32-bit load)
         PARAMS_D=gl.BlockedLayout([2, stage_groups], [1, 32], [1, NUM_WARPS], [1, 0]),
-        PARAMS_G=params,
+        PARAMS_G=gl.BlockedLayout([2, 1], [1, 32], [1, NUM_WARPS], [1, 0]),
         # [1, stage groups * G]: the stage's token scales in every warp
         STAGE_TOKENS=gl.BlockedLayout([1, stage_groups * group_size // 32], [1, 32], [NUM_WARPS, 1], [1, 0]),
         PARTIALS=partials_layout(query_rows, paired),
