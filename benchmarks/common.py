@@ -49,8 +49,8 @@ PNMIX2_FACTORS = {
     "pnmix-2": PNMixConfig(pair_ratio=0.4, key_group_size=64),
     "kivi-2": PNMixConfig(pair_ratio=1.0, key_bits_high=2, key_bits_low=2),
 }
-"""pnmix-2's two differences from pnmix-1 apart: its 64-token groups, and its 52 / 76-channel code
-tensors (byte-transposed words, not thread-owned ones: ``reference.quantize.thread_owned_keys``)."""
+"""pnmix-2's two differences from pnmix-1 apart: its 64-token groups, and its 52 selected channels (a
+high codes tensor whose last 32-channel chunk holds 20: stored compacted, ``reference.quantize.compact_key_fields``)."""
 
 
 Q_HEADS, KV_HEADS, HEAD_DIM, SINKS, RESIDUAL = 32, 8, 128, 32, 128

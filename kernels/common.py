@@ -119,7 +119,8 @@ def key_word_distances(codes_high: torch.Tensor, codes_low: torch.Tensor) -> dic
     (``quantize.key_word_distance``)."""
     group_size = 32 * codes_high.shape[4]
     return dict(
-        HIGH_DISTANCE=key_word_distance(group_size, codes_high.shape[-1]), LOW_DISTANCE=key_word_distance(group_size, codes_low.shape[-1])
+        HIGH_DISTANCE=key_word_distance(group_size, codes_high.shape[-1], codes_high.shape[3]),
+        LOW_DISTANCE=key_word_distance(group_size, codes_low.shape[-1], codes_low.shape[3]),
     )
 
 

@@ -121,14 +121,26 @@ def _key_bits(channel, C: tl.constexpr, token, DISTANCE: tl.constexpr, FIELD: tl
     (chunk, half, lane column, byte) is in word (tile pair, ``32 chunk + 4 lane row + lane column``)
     at bit ``8 byte + 4 tile + 2 half + row half`` of a plane or, ``FIELD``, at the low bit ``8 byte +
     4 tile + 2 row half`` of its 2-bit field in slot ``half`` of a pair of planes (the bit of the
-    pair's second plane one above). Else a channel of a run of four is byte ``channel % 4`` of the
+    pair's second plane one above); the field words of a last partial chunk are compacted
+    (``quantize.compact_key_fields``). Else a channel of a run of four is byte ``channel % 4`` of the
     run's word ``token // 8`` and the last ``C % 4`` channels keep plain words. Both ``[32, N]``."""
     c = channel[None, :]
     t = token[:, None]
     if DISTANCE > 0:  # the first 32 tokens: tile 0, tile pairs 0 and 1
         offset = t // 16 * C + 32 * (c // 32) + 4 * (t % 8) + c // 4 % 4
         if FIELD:
-            return offset + (c // 16 % 2) * PLANE, 8 * (c % 4) + 2 * (t // 8 % 2)
+            slot = c // 16 % 2
+            PART: tl.constexpr = C % 32
+            if PART > 0:
+                # The partial chunk's words: its halves' lanes that hold channels (LANES_FIRST, LANES_SECOND
+                # lane columns), pooled first half then second, PART words of the pool in each slot.
+                LANES_FIRST: tl.constexpr = min(PART, 16) // 4
+                LANES_SECOND: tl.constexpr = (PART - min(PART, 16)) // 4
+                pool = tl.where(slot == 0, t % 8 * LANES_FIRST, 8 * LANES_FIRST + t % 8 * LANES_SECOND) + c // 4 % 4
+                in_part = c >= C - PART
+                offset = tl.where(in_part, t // 16 * C + C - PART + pool % PART, offset)
+                slot = tl.where(in_part, pool // PART, slot)
+            return offset + slot * PLANE, 8 * (c % 4) + 2 * (t // 8 % 2)
         return offset, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
     in_run = c < 4 * (C // 4)
     return tl.where(in_run, 4 * (c // 4) + t // 8, c), tl.where(in_run, 8 * (c % 4) + t % 8, t)
@@ -156,22 +168,24 @@ def _or_key_plane(
     group,
     step,
     p: tl.constexpr,
+    SHIFT: tl.constexpr,
     BITS: tl.constexpr,
     PAIRED: tl.constexpr,
     WORDS: tl.constexpr,
     C: tl.constexpr,
 ):
-    """``codes`` with plane ``p`` of group ``group`` of one key codes tensor (``C`` channels) ORed in at
-    bit ``p``: pointers and bits of :func:`_key_bits`, moved to the chunk by ``step`` (words) and the
-    bits already. The planes below ``PAIRED`` are pairs stored as 2-bit fields: both bits come from
-    the half's word at the pair's first plane, and its second adds nothing."""
+    """``codes`` with plane ``p`` of group ``group`` of one key codes tensor (``C`` channels, ``BITS``
+    planes) ORed in at bit ``SHIFT + p``: pointers and bits of :func:`_key_bits`, moved to the chunk by
+    ``step`` (words) and the bits already. The planes below ``PAIRED`` are pairs stored as 2-bit
+    fields: both bits come from the half's word at the pair's first plane, and its second adds
+    nothing."""
     if p < PAIRED:
         if p % 2 == 0:
             words = tl.load(field_ptrs + (group * BITS + p) * WORDS * C + step, mask=mask, other=0)
-            codes |= ((words >> field_bit) & 3) << p
+            codes |= ((words >> field_bit) & 3) << (SHIFT + p)
     elif p < BITS:
         words = tl.load(plane_ptrs + (group * BITS + p) * WORDS * C + step, mask=mask, other=0)
-        codes |= ((words >> bit) & 1) << p
+        codes |= ((words >> bit) & 1) << (SHIFT + p)
     return codes
 
 
@@ -249,7 +263,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     G: tl.constexpr,
     C_HIGH: tl.constexpr,
-    BITS_HIGH: tl.constexpr,
+    PLANES_HIGH: tl.constexpr,
     BITS_LOW: tl.constexpr,
     BITS_V: tl.constexpr,
     GV: tl.constexpr,
@@ -307,23 +321,22 @@ def _decode_split_kernel(
     per_split = tl.cdiv(n_chunks, num_splits)
     chunk_end = tl.minimum(split * per_split + per_split, n_chunks)
 
-    # Keys: one int32 word per (group, plane, word, stored channel); channel c < C_HIGH
-    # lives in the high tensor, the others at c - C_HIGH in the low one, each token at the word
-    # and bit of _key_bits (the operand order of quantize.py).
-    C_LOW: tl.constexpr = D - C_HIGH
+    # Keys: one int32 word per (group, plane, word, stored channel): the low tensor holds the low
+    # BITS_LOW planes of every stored channel, the high tensor the PLANES_HIGH planes above them of
+    # the channels c < C_HIGH, each token at the word and bit of _key_bits (the operand order of
+    # quantize.py).
     is_high = offs_d < C_HIGH
-    low_mask = (offs_d >= C_HIGH) & d_mask
     offs_n = tl.arange(0, 32)
     high_offset, high_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE, False, WORDS * C_HIGH)
-    low_offset, low_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE, False, WORDS * C_LOW)
+    low_offset, low_bit = _key_bits(offs_d, D, offs_n, LOW_DISTANCE, False, WORDS * D)
     kh_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_offset
     kl_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_offset
     # Thread-owned words hold each pair of planes as two words of 2-bit fields (quantize.py).
     high_field_offset, high_field_bit = _key_bits(offs_d, C_HIGH, offs_n, HIGH_DISTANCE, True, WORDS * C_HIGH)
-    low_field_offset, low_field_bit = _key_bits(offs_d - C_HIGH, C_LOW, offs_n, LOW_DISTANCE, True, WORDS * C_LOW)
+    low_field_offset, low_field_bit = _key_bits(offs_d, D, offs_n, LOW_DISTANCE, True, WORDS * D)
     kh_field_ptrs = kc_high_ptr + b * s_khb + h * s_khh + high_field_offset
     kl_field_ptrs = kc_low_ptr + b * s_klb + h * s_klh + low_field_offset
-    HIGH_PAIRED: tl.constexpr = BITS_HIGH - BITS_HIGH % 2 if HIGH_DISTANCE > 0 else 0  # planes stored as fields
+    HIGH_PAIRED: tl.constexpr = PLANES_HIGH - PLANES_HIGH % 2 if HIGH_DISTANCE > 0 else 0  # planes stored as fields
     LOW_PAIRED: tl.constexpr = BITS_LOW - BITS_LOW % 2 if LOW_DISTANCE > 0 else 0
     ks_ptrs = k_scale_ptr + b * s_ksb + h * s_ksh + offs_d
     kz_ptrs = k_zero_ptr + b * s_kzb + h * s_kzh + offs_d
@@ -346,9 +359,26 @@ def _decode_split_kernel(
         # Token n of the chunk: word and bit of each channel in a plane of its group (_key_bits, moved
         # to this chunk by _key_chunk_step).
         high_step, high_bit_step = _key_chunk_step(word, C_HIGH, HIGH_DISTANCE)
-        low_step, low_bit_step = _key_chunk_step(word, C_LOW, LOW_DISTANCE)
+        low_step, low_bit_step = _key_chunk_step(word, D, LOW_DISTANCE)
         codes = tl.zeros([32, BLOCK_D], tl.int32)
-        for p in tl.static_range(max(BITS_HIGH, BITS_LOW)):
+        for p in tl.static_range(BITS_LOW):
+            codes = _or_key_plane(
+                codes,
+                kl_ptrs,
+                kl_field_ptrs,
+                low_bit + low_bit_step,
+                low_field_bit + low_bit_step,
+                d_mask[None, :],
+                group,
+                low_step,
+                p,
+                0,
+                BITS_LOW,
+                LOW_PAIRED,
+                WORDS,
+                D,
+            )
+        for p in tl.static_range(PLANES_HIGH):
             codes = _or_key_plane(
                 codes,
                 kh_ptrs,
@@ -359,25 +389,11 @@ def _decode_split_kernel(
                 group,
                 high_step,
                 p,
-                BITS_HIGH,
+                BITS_LOW,
+                PLANES_HIGH,
                 HIGH_PAIRED,
                 WORDS,
                 C_HIGH,
-            )
-            codes = _or_key_plane(
-                codes,
-                kl_ptrs,
-                kl_field_ptrs,
-                low_bit + low_bit_step,
-                low_field_bit + low_bit_step,
-                low_mask[None, :],
-                group,
-                low_step,
-                p,
-                BITS_LOW,
-                LOW_PAIRED,
-                WORDS,
-                C_LOW,
             )
         k_scale = tl.load(ks_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
         k_zero = tl.load(kz_ptrs + group * D, mask=d_mask, other=0.0).to(tl.float32)
@@ -475,7 +491,7 @@ def triton_decode_attention(
     """
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
-    group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
+    group_cap, planes_high, words, c_high = key_codes_high.shape[2:]
     value_group = head_dim // value_scale.shape[-1]
     if q_heads % heads or head_dim % 32 or value_group % 32:
         raise ValueError(
@@ -491,7 +507,7 @@ def triton_decode_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         G=32 * words,
         C_HIGH=c_high,
-        BITS_HIGH=bits_high,
+        PLANES_HIGH=planes_high,
         BITS_LOW=key_codes_low.shape[3],
         **key_word_distances(key_codes_high, key_codes_low),
         BITS_V=value_codes.shape[3],

@@ -10,29 +10,25 @@ Why a second kernel: Triton decides which thread holds which code and reaches ``
 through shared memory; Gluon states layouts explicitly, so each thread builds exactly the
 operands its ``mma.sync`` fragments need, with one instruction per register:
 
-- Every key level (a bit plane, or in thread-owned words a pair of planes stored as 2-bit fields),
-  and every pair of value bit planes, is the A operand of an 8-bit MMA
+- Every key level (a pair of bit planes stored as 2-bit fields, or an odd last plane), and every
+  pair of value bit planes, is the A operand of an 8-bit MMA
   (m16n8k32, int32 accumulation). Keys: ``scores^T [T, Hq] = levels [T tokens, D] @ (q *
   scale)^T``; values: ``acc^T [D, Hq] += codes^T [D, T tokens] @ (p * scale)^T``. The
   per-channel key scale folds into q, the per-token value scale into p (one value group per
   token), the zeros into per-head offsets.
 - An A register holds four consecutive K elements of one row. The cache stores its words in
   operand order (``pnmix_patch/reference/quantize.py``), one byte per K column, so no word is
-  transposed on the way. Thread-owned key words
-  (every preset's codes tensors but ``pnmix-2``'s, and ``kitty``'s at head dim 64): a thread's word
-  of a 32-channel chunk holds all its registers' bits, rows g and g + 8 of its warp's two 16-token
-  tiles (a group's 128 tokens of a step; of 64 tokens, one tile's) by the chunk's two halves; a warp reads 32 consecutive
-  words, one per lane. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a
-  register, four int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half``
-  (:func:`_key_row_factors`); a pair of planes is two field words, one per half, and ``(word >> row
-  half) & 0x03030303 << bit`` reads ``2^bit`` times the pair's 2-bit code, the same factor, so
-  planes and fields share one accumulator (:func:`_key_level_scores`), and a pair of planes costs
-  one AND and one MMA. Else (words byte-transposed in runs of four) a key word holds 8 rows
-  x 4 columns, read by the 8 threads of those rows, and ``word & 0x01010101 << j`` is the register
-  of row j: ``2^j * bit`` (bit 7 reads -128). Either way the factor (``2^-bit``, ``2^-j``, ``-2^-7``)
-  is the same for all of a row's elements, so it is applied to the MMA results. Thread-owned words
-  are the faster order: a warp reads a step's key words with 4 ``ldmatrix`` of two matrices
-  (``LDSM.16.M88.2``) and 8 shifts, where byte quads take 32 ``LDS.64``.
+  transposed on the way. Key words are thread-owned (``quantize.thread_owned_keys``; the
+  shapes this kernel takes, :func:`supports_shapes`): a thread's word of a 32-channel chunk holds
+  all its registers' bits, rows g and g + 8 of its warp's two 16-token tiles (a group's 128 tokens
+  of a step; of 64 tokens, one tile's) by the chunk's two halves; a warp reads 32 consecutive
+  words, one per lane, a step's key words with 4 ``ldmatrix`` of two matrices (``LDSM.16.M88.2``)
+  and 8 shifts. ``(word >> 2 * half) & 0x01010101 << bit`` (:data:`BYTES_ASM`) is a register, four
+  int8 elements ``2^bit * code bit``, ``bit = 4 * tile + row half`` (:func:`_key_row_factors`); a
+  pair of planes is two field words, one per half, and ``(word >> row half) & 0x03030303 << bit``
+  reads ``2^bit`` times the pair's 2-bit code, the same factor, so planes and fields share one
+  accumulator (:func:`_key_level_scores`), and a pair of planes costs one AND and one MMA. The
+  factor ``2^-bit`` is the same for all of a row's elements, so it is applied to the MMA results.
 - Values are stored as 2-bit fields (a pair of planes per word): a word holds 4 channel rows x 4
   token columns, and ``word & 0x03030303 << 2k`` is the register of row k: ``4^k * code``, half
   the ANDs and MMAs of two planes. The top field (k = 3) holds the sign bit of the int8, so the
@@ -47,25 +43,28 @@ operands its ``mma.sync`` fragments need, with one instruction per register:
   token scale of the stage's one or two groups (``p <= 1``, see below). The parts are rounded by
   adding 1.5 * 2^23 and reading the float's low byte (:func:`_split_8bit`, :data:`PACK_ASM`): no
   float-to-integer conversion.
-- Every key level meets the same B operand, the levels weighted by Horner's scheme: from the
-  top level down, the integer accumulators are multiplied by 4 (a pair of planes per level; 2 for
-  byte quads, a plane per level) and the next level's MMA is added (one shift per accumulator
-  register and level instead of one operand per level and tile, or 2^p MMAs for plane p); 4-bit
-  values' two field words likewise, times 4. The key sums stay far inside
-  int32 (at most 128 channels x 15 x 127 x 2^5 = 7.8e6 with 4-bit codes and thread-owned words,
-  whose rows read their codes at most 2^5 times too large; 2^7 with byte quads). Their high and
-  low parts are combined as ``128 * high + low`` in int32 for thread-owned words (under 1.01e9:
-  fewer instructions than in float32) and in float32 for byte quads.
+- Every key level of a tile meets the same B operand, the levels weighted by Horner's scheme: from
+  the top level down, the integer accumulators are shifted by the next level's planes (2 for a
+  pair, 1 for an odd plane) and its MMA is added (one shift per accumulator register and level
+  instead of one operand per level and tile, or 2^p MMAs for plane p); 4-bit values' two field
+  words likewise, times 4. The key sums stay far inside int32 (at most 128 channels x 15 x 127 x
+  2^5 = 7.8e6 with 4-bit codes, whose rows read their codes at most 2^5 times too large); their
+  high and low parts are combined as ``128 * high + low`` in int32 (under 1.01e9).
 - Paired columns: with at most 4 query heads per KV head (Llama-3, Qwen3, Mistral: 4) the MMA's
   8 columns hold each head twice, its high parts in column 2j and its low parts in column 2j + 1,
   so one MMA makes both (half the MMAs and B-operand loads). A thread's accumulator registers hold
   both columns of a pair, so ``128 * high + low`` is made in the thread (:func:`_pair_parts`) and the
   softmax works on one score per token and head (``[T, 4]``, :func:`heads_layout`). With more heads
   the parts are two MMAs.
-- Key tiles: the first ``W_HIGH`` stored channels (the selected ones, ``b_H`` planes) and the
-  rest (``b_L`` planes), so a channel costs only the planes it has; the shared buffer of a group's
-  key words holds each tile's planes only, the second tile's after the first's
-  (:func:`_copy_offsets`), so no copy writes zeros for planes a tile lacks.
+- Key tiles: the first ``W_HIGH`` stored channels (the selected ones and, where they are fewer,
+  others) and the rest. Both tiles read the low codes (planes ``0 .. b_L - 1`` of every channel);
+  the first also the high ones (planes ``b_L .. b_H - 1`` of the selected channels: one pair of
+  planes for every preset, ``quantize.py``), whose levels are the top ones of its Horner sum, on
+  the same query operands. So a channel costs only the planes it has, and every preset reads
+  thread-owned words: the low codes span whole 32-channel chunks, and a partial last chunk of the
+  high ones (pnmix-2: 52 selected channels) is stored compacted and gathered by the copy, its
+  missing words zeros. The shared buffer of a group's key words holds the first tile's low and
+  high planes, then the second's low planes (:func:`_copy_offsets`).
 - Key groups are staged in shared memory: ``STAGES`` buffers, the operands read from the buffer
   itself. A stage holds one group, or two consecutive 64-token groups (their codes, scales and zeros
   are consecutive in the cache, so one copy takes both). While a stage's key products run, the
@@ -114,7 +113,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from pnmix_patch.reference.quantize import key_word_distance
+from pnmix_patch.reference.quantize import key_word_distance, thread_owned_keys
 
 from .common import multiprocessors, split_and_merge, wave_filling_splits
 
@@ -146,7 +145,7 @@ def supports(
     return supports_shapes(
         query.shape[-1],
         32 * key_codes_high.shape[4],
-        key_codes_high.shape[3],
+        key_codes_high.shape[3] + key_codes_low.shape[3],
         key_codes_low.shape[3],
         value_codes.shape[3],
         value_scale.shape[-1],
@@ -168,19 +167,18 @@ def supports_shapes(
     num_high: int,
 ) -> bool:
     """The shapes this kernel builds for: head dim 64 or 128, key groups of a power of two of at
-    least 64 tokens, key codes of at most 4 bits, value codes of 2 or 4 bits (pairs of planes
-    stored as 2-bit fields; a 1-bit or an odd top plane is a plane, which this kernel does not
-    read; and its shared buffers are powers of two: 192-token groups would not compile), one value
-    group per token, at most 16 query heads per KV head, and selected channels ``num_high`` a
-    multiple of 4: the kernel copies a run of four channels' words as one operand word, and a run
-    across the selected and the other codes tensors is not stored in operand order (pnmix-2 at head
-    dim 64 selects 26 channels and goes to the Triton kernel)."""
+    least 64 tokens, key codes of at most 4 bits in thread-owned words (the selected channels' upper
+    planes too: ``quantize.thread_owned_keys``; pnmix-2 at head dim 64 selects 26 channels, whose
+    last partial chunk has lanes of two channels, and goes to the Triton kernel), value codes of 2 or
+    4 bits (pairs of planes stored as 2-bit fields; a 1-bit or an odd top plane is a plane, which
+    this kernel does not read; and its shared buffers are powers of two: 192-token groups would not
+    compile), one value group per token, at most 16 query heads per KV head."""
     return (
-        num_high % 4 == 0
-        and head_dim in (64, 128)
+        head_dim in (64, 128)
         and group_size >= 64
         and group_size & (group_size - 1) == 0
-        and max(bits_high, bits_low) <= 4
+        and bits_high <= 4
+        and thread_owned_keys(group_size, num_high, bits_high - bits_low)
         and bits_value in (2, 4)
         and value_scales_per_token == 1
         and query_heads % heads == 0
@@ -242,18 +240,6 @@ def paired_columns(ratio: int) -> bool:
     return ratio <= 4
 
 
-def _key_byte_layout(cols: int, tokens: int) -> gl.DistributedLinearLayout:
-    """The 8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into
-    (word row, byte, bit) and channel k into (quad, byte): ``[T/32, 4, 8, cols/4, 4]`` (the words in
-    operand order, ``pnmix_patch/reference/quantize.py``)."""
-
-    def split(bases):
-        return [[t >> 5, (t >> 3) & 3, t & 7, k >> 2, k & 3] for t, k in bases]
-
-    shape = [tokens // 32, 4, 8, cols // 4, 4]
-    return gl.DistributedLinearLayout(*(split(b) for b in _a8_operand_bases(tokens, cols)), [], shape)
-
-
 def _key_owned_layouts(cols: int, tokens: int, distance: int) -> tuple[gl.DistributedLinearLayout, gl.DistributedLinearLayout]:
     """For thread-owned key words (``pnmix_patch/reference/quantize.py``, tiles ``distance`` tokens apart): the
     8-bit A-operand layout of a key tile ``[T, cols]`` (``T = tokens``) with token t split into (tile,
@@ -293,19 +279,13 @@ def layouts(head_dim: int, high_width: int, query_rows: int, groups: int, tokens
     channels wide (a tile of width 0 gets placeholder layouts, never used; when there are two, both
     are half the head wide), ``query_rows`` rows of query operands (the query heads per KV head
     rounded up to a power of two: 4 when the columns are paired, see the kernel) for each of the
-    ``groups`` key groups of a step, ``tokens`` of a group per step (:func:`group_step_tokens`) and,
-    for thread-owned key words, their ``key_distance`` (0: the words of runs of four channels
-    byte-transposed)."""
+    ``groups`` key groups of a step, ``tokens`` of a group per step (:func:`group_step_tokens`) and
+    the ``key_distance`` of the thread-owned key words."""
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1], instr_shape=[16, 8])
     low_width = head_dim - high_width
-    if key_distance:
-        (key_high, key_words_high), (key_low, key_words_low) = (
-            _key_owned_layouts(width or head_dim, tokens, key_distance) for width in (high_width, low_width)
-        )
-    else:
-        key_high, key_low = (_key_byte_layout(width or head_dim, tokens) for width in (high_width, low_width))
-        key_words_high = gl.SliceLayout(2, gl.SliceLayout(4, key_high))
-        key_words_low = gl.SliceLayout(2, gl.SliceLayout(4, key_low))
+    (key_high, key_words_high), (key_low, key_words_low) = (
+        _key_owned_layouts(width or head_dim, tokens, key_distance) for width in (high_width, low_width)
+    )
     return dict(
         MMA=mma,
         A=gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2),
@@ -461,7 +441,7 @@ def _copy_offsets(
     D: gl.constexpr,
     G: gl.constexpr,
     C_HIGH: gl.constexpr,
-    BITS_HIGH: gl.constexpr,
+    PLANES_HIGH: gl.constexpr,
     BITS_LOW: gl.constexpr,
     BITS_V: gl.constexpr,
     W_HIGH: gl.constexpr,
@@ -473,14 +453,19 @@ def _copy_offsets(
 ):
     """What :func:`_copy_group_codes` reads of a stage's ``STAGE_GROUPS`` consecutive groups, relative
     to the first group's first word, made once per program: the key words ``[STAGE_GROUPS *
-    KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width; group g's from row g * KEY_ROWS on), of each
-    group the first key tile's planes from row 0 on and the second's from row ``LOW_ROW`` on (row p *
-    G / 32 + w of a tile: word row w of its plane p; ``[q, b]``: word 4q + b of the row, the tile's
-    stored channel 4q + b, as the cache holds them in operand order: thread-owned or byte quads) as
-    offsets into the high or the low codes (``is_high``), ``present`` where the channel has the plane
-    (zeros elsewhere: a first tile's channels past ``C_HIGH`` that have fewer planes, and the padding
-    rows); the value words ``[STAGE_GROUPS * b_V * D / 32 * 4, G / 4]`` (the groups', in their order:
-    consecutive groups' value words are consecutive); and each key and value row's group in the stage."""
+    KEY_ROWS, W / 4, 4]`` (``W``: a key tile's width; group g's from row g * KEY_ROWS on) and, per
+    element, whether it comes from the high codes (``is_high``), its offset into them or into the low
+    ones, and whether it is ``present`` (zeros elsewhere: the padding rows, and the high planes' words
+    that a last partial chunk does not store); the value words ``[STAGE_GROUPS * b_V * D / 32 * 4, G /
+    4]`` (the groups', in their order: consecutive groups' value words are consecutive); and each key
+    and value row's group in the stage.
+
+    A group's key rows: the first tile's low planes (``BITS_LOW * G / 32`` rows: row p * G / 32 + w is
+    word row w of plane p), then its high planes (``PLANES_HIGH``, the selected channels' upper ones),
+    then from row ``LOW_ROW`` on the second tile's low planes. Element ``[q, b]`` of a row is word ``4q
+    + b`` of the tile's part of the row, as the cache holds it in operand order (thread-owned words:
+    32 per 32-channel chunk); the high planes' last partial chunk is stored compacted
+    (``quantize.compact_key_fields``), so its words are gathered from the pool of their pair of slots."""
     WORDS: gl.constexpr = G // 32
     W_LOW: gl.constexpr = D - W_HIGH
     W_TILE: gl.constexpr = W_HIGH if W_HIGH > 0 else W_LOW
@@ -492,15 +477,33 @@ def _copy_offsets(
     within = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, COPY_KEYS))), 0), 1)
     in_low = (row >= LOW_ROW) & (W_LOW > 0)  # rows of the second tile (and the padding after it)
     tile_row = gl.where(in_low, row - LOW_ROW, row)
-    plane = tile_row // WORDS
-    channel = gl.where(in_low, W_HIGH, 0) + 4 * quad + within
-    is_high = channel < C_HIGH
+    word = gl.where(in_low, W_HIGH, 0) + 4 * quad + within
+    is_high = (tile_row >= BITS_LOW * WORDS) & (W_HIGH > 0) & ~in_low
+    high_row = tile_row - BITS_LOW * WORDS  # of the high planes: slot high_row // WORDS, word row high_row % WORDS
+    high_offset = high_row * C_HIGH + word
+    high_present = (high_row < PLANES_HIGH * WORDS) & (word < C_HIGH - C_HIGH % 32)
+    PART: gl.constexpr = C_HIGH % 32
+    if PART > 0:
+        # The compacted chunk: lane column within of lane row quad % 8 has a word in slot 2m + half iff
+        # within < LANES[half]; the pool of the pair's words (first half's, then second half's, lane by
+        # lane) is split over the two slots, PART words of each word row.
+        FULL: gl.constexpr = C_HIGH - PART
+        LANES_FIRST: gl.constexpr = min(PART, 16) // 4
+        LANES_SECOND: gl.constexpr = (PART - min(PART, 16)) // 4
+        half = high_row // WORDS % 2
+        lane_row = quad % 8
+        pool = gl.where(half == 0, lane_row * LANES_FIRST, 8 * LANES_FIRST + lane_row * LANES_SECOND) + within
+        in_part = (word >= FULL) & (word < FULL + 32)
+        slot = high_row // WORDS - half + pool // PART
+        high_offset = gl.where(in_part, (slot * WORDS + high_row % WORDS) * C_HIGH + FULL + pool % PART, high_offset)
+        lanes = gl.where(half == 0, LANES_FIRST, LANES_SECOND)
+        high_present = gl.where(in_part, (high_row < PLANES_HIGH * WORDS) & (within < lanes), high_present)
     key_offsets = gl.where(
         is_high,
-        key_group * (BITS_HIGH * WORDS * C_HIGH) + tile_row * C_HIGH + channel,
-        key_group * (BITS_LOW * WORDS * (D - C_HIGH)) + tile_row * (D - C_HIGH) + (channel - C_HIGH),
+        key_group * (PLANES_HIGH * WORDS * C_HIGH) + high_offset,
+        key_group * (BITS_LOW * WORDS * D) + tile_row * D + word,
     )
-    present = gl.where(is_high, plane < BITS_HIGH, plane < BITS_LOW)
+    present = gl.where(is_high, high_present, tile_row < BITS_LOW * WORDS)
     value_row = gl.expand_dims(gl.arange(0, STAGE_GROUPS * V_ROWS, layout=gl.SliceLayout(1, COPY_VALUES)), 1)
     quad = gl.expand_dims(gl.arange(0, G // 4, layout=gl.SliceLayout(0, COPY_VALUES)), 0)
     return is_high, key_offsets, present, key_group, value_row * (G // 4) + quad, value_row // V_ROWS
@@ -520,7 +523,7 @@ def _copy_group_codes(
     D: gl.constexpr,
     G: gl.constexpr,
     C_HIGH: gl.constexpr,
-    BITS_HIGH: gl.constexpr,
+    PLANES_HIGH: gl.constexpr,
     BITS_LOW: gl.constexpr,
     BITS_V: gl.constexpr,
 ):
@@ -531,7 +534,7 @@ def _copy_group_codes(
     past this split's end). One copy per buffer: copies into one buffer are each fenced by a barrier."""
     is_high, key_offsets, present, key_group, value_offsets, value_group = offsets
     WORDS: gl.constexpr = G // 32
-    key_base = gl.where(is_high, kc_high + group * (BITS_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * (D - C_HIGH)))
+    key_base = gl.where(is_high, kc_high + group * (PLANES_HIGH * WORDS * C_HIGH), kc_low + group * (BITS_LOW * WORDS * D))
     async_copy.async_copy_global_to_shared(key_smem.index(stage), key_base + key_offsets, mask=present & (key_group < count))
     async_copy.async_copy_global_to_shared(
         value_smem.index(stage), v_codes + group * (G * BITS_V * (D // 32)) + value_offsets, mask=value_group < count
@@ -594,24 +597,18 @@ def _key_step_words(
 ):
     """The words of step ``step`` of one slot (a plane, or one word of a pair's fields) of a key tile
     ``W`` channels wide, the slot's word rows from ``ROW`` on in the stage's buffer
-    (:func:`_copy_offsets`), as ``[T, W]`` in ``A8``: each element the word holding its operand byte."""
-    if KEY_DISTANCE > 0:
-        # Thread-owned words: each thread reads its own word of each 32-channel chunk, [tile pair, 8
-        # chunk + lane row, lane column] -> [tile pair, lane row, chunk, lane column] -> broadcast over
-        # (tile, row half, half, byte) -> [T, W]: no data moves. The step's word rows: those of its
-        # block of 2 * KEY_DISTANCE tokens (a step of KEY_DISTANCE tokens is one tile of it).
-        PAIRS: gl.constexpr = KEY_DISTANCE // 16
-        OWNED_ROW: gl.constexpr = ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
-        OWN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(5, gl.SliceLayout(7, KEY_BYTES))))
-        words = key_words.slice(OWNED_ROW, PAIRS, 0).load(KEY_WORDS)
-        words = gl.convert_layout(gl.permute(gl.reshape(words, [PAIRS, W // 32, 8, 4]), [0, 2, 1, 3]), OWN, assert_trivial=True)
-        words = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 2), 5), 7)
-        shape: gl.constexpr = [T // KEY_DISTANCE, PAIRS, 2, 8, W // 32, 2, 4, 4]
-    else:
-        # [word row, byte, quad] -> broadcast over (bit, channel within the quad) -> [T, W]: no data moves.
-        words = key_words.slice(ROW + step * (T // 32), T // 32, 0).permute([0, 2, 1])
-        words = gl.expand_dims(gl.expand_dims(words.load(KEY_WORDS), 2), 4)
-        shape: gl.constexpr = [T // 32, 4, 8, W // 4, 4]
+    (:func:`_copy_offsets`), as ``[T, W]`` in ``A8``: each element the word holding its operand byte.
+    Each thread reads its own word of each 32-channel chunk, ``[tile pair, 8 chunk + lane row, lane
+    column]`` -> ``[tile pair, lane row, chunk, lane column]`` -> broadcast over (tile, row half, half,
+    byte) -> ``[T, W]``: no data moves. The step's word rows: those of its block of ``2 * KEY_DISTANCE``
+    tokens (a step of ``KEY_DISTANCE`` tokens is one tile of it)."""
+    PAIRS: gl.constexpr = KEY_DISTANCE // 16
+    OWNED_ROW: gl.constexpr = ROW + step * T // (2 * KEY_DISTANCE) * PAIRS
+    OWN: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(5, gl.SliceLayout(7, KEY_BYTES))))
+    words = key_words.slice(OWNED_ROW, PAIRS, 0).load(KEY_WORDS)
+    words = gl.convert_layout(gl.permute(gl.reshape(words, [PAIRS, W // 32, 8, 4]), [0, 2, 1, 3]), OWN, assert_trivial=True)
+    words = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(words, 0), 2), 5), 7)
+    shape: gl.constexpr = [T // KEY_DISTANCE, PAIRS, 2, 8, W // 32, 2, 4, 4]
     return gl.convert_layout(gl.reshape(gl.broadcast(words, gl.zeros(shape, gl.int32, KEY_BYTES))[0], [T, W]), A8, assert_trivial=True)
 
 
@@ -624,10 +621,7 @@ def _key_level_scores(
     query_low,
     ROW: gl.constexpr,
     WORDS: gl.constexpr,
-    LEVEL: gl.constexpr,
-    BITS_FIRST: gl.constexpr,
-    BITS_REST: gl.constexpr,
-    SPLIT: gl.constexpr,
+    FIELDS: gl.constexpr,
     step: gl.constexpr,
     bit,
     W: gl.constexpr,
@@ -638,42 +632,24 @@ def _key_level_scores(
     KEY_DISTANCE: gl.constexpr,
     PAIRED: gl.constexpr,
 ):
-    """Add level ``LEVEL`` of a key tile ``W`` channels wide of step ``step`` (a plane, or for
-    thread-owned words a pair of planes stored as 2-bit fields: the slots from word row ``ROW`` on,
-    ``WORDS`` rows each) times the tile's 8-bit query operands (B-operand registers) to the integer
-    score accumulators: high and low parts in two (``low`` untouched when ``PAIRED``: both parts are
-    columns of ``query_high``). The tile's channels before ``SPLIT`` have ``BITS_FIRST`` planes, the
-    others ``BITS_REST``: at this level each has a pair of planes as fields (kind 2), its odd last
-    plane (1), or nothing (0: the copy filled its words with zeros). ``bit``: the rows' bit of a byte
-    (:func:`_key_row_factors`).
+    """Add one key level of a tile ``W`` channels wide of step ``step`` (a plane, or with ``FIELDS`` a
+    pair of planes stored as 2-bit fields: the slots from word row ``ROW`` on, ``WORDS`` rows each)
+    times the tile's 8-bit query operands (B-operand registers) to the integer score accumulators:
+    high and low parts in two (``low`` untouched when ``PAIRED``: both parts are columns of
+    ``query_high``). ``bit``: the rows' bit of a byte (:func:`_key_row_factors`).
 
-    A plane word's register is ``(word >> 2 * half) & 0x01010101 << bit`` (its byte's bit ``4 tile
-    + 2 half + row half``, ``bit = 4 tile + row half``); a field word's (the half's own slot) ``(word
-    >> row half) & 0x03030303 << bit`` (its byte's field at ``4 tile + 2 row half``): both read
-    their row's code ``2^bit`` times too large, so planes and fields share one accumulator. Byte
-    quads (``KEY_DISTANCE`` 0) are planes: ``word & 0x01010101 << bit``."""
+    A plane word's register is ``(word >> 2 * half) & 0x01010101 << bit`` (its byte's bit ``4 tile +
+    2 half + row half``, ``bit = 4 tile + row half``); a field word's (the half's own slot) ``(word >>
+    row half) & 0x03030303 << bit`` (its byte's field at ``4 tile + 2 row half``): both read their
+    row's code ``2^bit`` times too large, so planes and fields share one accumulator."""
     words = _key_step_words(key_words, ROW, step, W, T, A8, KEY_BYTES, KEY_WORDS, KEY_DISTANCE)
-    if KEY_DISTANCE > 0:
-        KIND_FIRST: gl.constexpr = 2 * (2 * LEVEL + 2 <= BITS_FIRST) + (2 * LEVEL + 1 == BITS_FIRST)
-        KIND_REST: gl.constexpr = 2 * (2 * LEVEL + 2 <= BITS_REST) + (2 * LEVEL + 1 == BITS_REST)
-        columns = gl.arange(0, W, layout=gl.SliceLayout(0, A8))
-        half = gl.expand_dims((columns >> 4) & 1, 0)  # the chunk's second half: channels 16 .. 31
-        if KIND_FIRST == 2 or KIND_REST == 2:
-            second = _key_step_words(key_words, ROW + WORDS, step, W, T, A8, KEY_BYTES, KEY_WORDS, KEY_DISTANCE)
-        if (KIND_FIRST == 2 or KIND_FIRST == 0) and (KIND_REST == 2 or KIND_REST == 0):  # fields (or zeros)
-            words = gl.where(half == 1, second, words) >> (bit & 1)
-            mask = 0x03030303 << bit
-        elif KIND_FIRST < 2 and KIND_REST < 2:  # planes (or zeros)
-            words = words >> (2 * half)
-            mask = 0x01010101 << bit
-        else:  # fields in some 32-channel chunks, a plane in the others
-            if KIND_FIRST == 2:
-                fields = gl.expand_dims(columns < SPLIT, 0)
-            else:
-                fields = gl.expand_dims(columns >= SPLIT, 0)
-            words = gl.where(fields & (half == 1), second, words) >> gl.where(fields, bit & 1, 2 * half)
-            mask = gl.where(fields, 0x03030303, 0x01010101) << bit
+    half = gl.expand_dims((gl.arange(0, W, layout=gl.SliceLayout(0, A8)) >> 4) & 1, 0)  # the chunk's second half: channels 16 .. 31
+    if FIELDS:
+        second = _key_step_words(key_words, ROW + WORDS, step, W, T, A8, KEY_BYTES, KEY_WORDS, KEY_DISTANCE)
+        words = gl.where(half == 1, second, words) >> (bit & 1)
+        mask = 0x03030303 << bit
     else:
+        words = words >> (2 * half)
         mask = 0x01010101 << bit
     operand = gl.inline_asm_elementwise(BYTES_ASM, BYTES_CONSTRAINTS, [words, mask], gl.int8, True, 4)
     high = mma_v2(operand, query_high, high)
@@ -685,19 +661,14 @@ def _key_level_scores(
 @gluon.jit
 def _key_row_factors(step: gl.constexpr, T: gl.constexpr, KEY_DISTANCE: gl.constexpr, A8: gl.constexpr, SCORES: gl.constexpr):
     """Which bit of a byte each score row of step ``step`` reads (``[T, 1]`` in ``A8``) and the factor
-    that undoes its weight (``[T, 1]`` in ``SCORES``). Thread-owned words: bit ``4 * tile + row half``
-    of the row's token (``pnmix_patch/reference/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile);
-    its codes read ``2^bit`` times too large. Else bit ``t % 8``, bit 7 being the sign bit of an 8-bit
-    integer (-128)."""
+    that undoes its weight (``[T, 1]`` in ``SCORES``): bit ``4 * tile + row half`` of the row's token
+    (``pnmix_patch/reference/quantize.py``; with ``T = KEY_DISTANCE`` the step is one tile); its codes
+    read ``2^bit`` times too large."""
     t_a = gl.arange(0, T, layout=gl.SliceLayout(1, A8))
     t_s = gl.arange(0, T, layout=gl.SliceLayout(1, SCORES))
-    if KEY_DISTANCE > 0:
-        TILE: gl.constexpr = step * T // KEY_DISTANCE % 2  # the step's first tile in its block
-        bit_a = 4 * (t_a // KEY_DISTANCE + TILE) + (t_a >> 3) % 2
-        unit = gl.exp2(-(4 * (t_s // KEY_DISTANCE + TILE) + (t_s >> 3) % 2).to(gl.float32))
-    else:
-        bit_a = t_a % 8
-        unit = gl.where(t_s % 8 == 7, -1.0, 1.0) * gl.exp2(-(t_s % 8).to(gl.float32))
+    TILE: gl.constexpr = step * T // KEY_DISTANCE % 2  # the step's first tile in its block
+    bit_a = 4 * (t_a // KEY_DISTANCE + TILE) + (t_a >> 3) % 2
+    unit = gl.exp2(-(4 * (t_s // KEY_DISTANCE + TILE) + (t_s >> 3) % 2).to(gl.float32))
     return gl.expand_dims(bit_a, 1), gl.expand_dims(unit, 1)
 
 
@@ -852,12 +823,8 @@ def _group_scores(
     T_G: gl.constexpr,
     KEY_ROWS: gl.constexpr,
     LOW_ROW: gl.constexpr,
-    SCORE_LEVELS: gl.constexpr,
-    LEVEL_PLANES: gl.constexpr,
     PLANES_HIGH: gl.constexpr,
-    BITS_HIGH: gl.constexpr,
     BITS_LOW: gl.constexpr,
-    C_HIGH: gl.constexpr,
     W_HIGH: gl.constexpr,
     W_LOW: gl.constexpr,
     BLOCK_Q: gl.constexpr,
@@ -876,10 +843,13 @@ def _group_scores(
     """The scores ``[T_G, QUERY_ROWS]`` (``GROUP_SCORES``) of step ``step`` of the stage's key group
     ``group`` (its words from row ``group * KEY_ROWS`` of the stage's ``key_words``; its query operands
     and column factors from its rows of the shared buffers, see :func:`_group_operands`): Horner's
-    scheme over the key levels (a pair of planes as 2-bit fields for thread-owned words, else a plane;
-    both tiles' level together), times 4 (or 2), then add the level."""
+    scheme over the key levels, from the top: the high planes' levels (the first tile's only), then
+    the low planes' (both tiles'), each a pair of planes as 2-bit fields or an odd last plane; before a
+    level is added the accumulators are shifted by its plane count."""
     WORDS: gl.constexpr = G // 32
     ROW: gl.constexpr = group * KEY_ROWS
+    LOW_LEVELS: gl.constexpr = (BITS_LOW + 1) // 2
+    HIGH_LEVELS: gl.constexpr = (PLANES_HIGH + 1) // 2 if W_HIGH > 0 else 0
     column_scale = gl.expand_dims(column_scale_smem.slice(group * QUERY_ROWS, QUERY_ROWS).load(gl.SliceLayout(0, GROUP_SCORES)), 0)
     k_offset = gl.expand_dims(column_offset_smem.slice(group * QUERY_ROWS, QUERY_ROWS).load(gl.SliceLayout(0, GROUP_SCORES)), 0)
     if W_HIGH > 0:
@@ -896,24 +866,24 @@ def _group_scores(
     key_bit, key_unit = _key_row_factors(step, T_G, KEY_DISTANCE, A8, GROUP_SCORES)
     high = gl.zeros([T_G, BLOCK_Q], gl.int32, layout=MMA)
     low = high
-    for level in gl.static_range(SCORE_LEVELS - 1, -1, -1):
-        if level < SCORE_LEVELS - 1:
-            high = high << LEVEL_PLANES
+    for level in gl.static_range(HIGH_LEVELS + LOW_LEVELS - 1, -1, -1):
+        # Level l < LOW_LEVELS: planes 2l and 2l + 1 of the low codes (both tiles), from word row 2l *
+        # WORDS; above: planes 2m and 2m + 1 of the high codes (m = l - LOW_LEVELS; the first tile
+        # only), from word row (BITS_LOW + 2m) * WORDS. A level of two planes is stored as fields.
+        if level < HIGH_LEVELS + LOW_LEVELS - 1:
+            high = high << (min(2, BITS_LOW - 2 * level) if level < LOW_LEVELS else min(2, PLANES_HIGH - 2 * (level - LOW_LEVELS)))
             if not PAIRED:
-                low = low << LEVEL_PLANES
-        if W_HIGH > 0 and LEVEL_PLANES * level < PLANES_HIGH:
+                low = low << (min(2, BITS_LOW - 2 * level) if level < LOW_LEVELS else min(2, PLANES_HIGH - 2 * (level - LOW_LEVELS)))
+        if W_HIGH > 0:
             high, low = _key_level_scores(
                 high,
                 low,
                 key_words,
                 query_hh,
                 query_hl,
-                ROW + LEVEL_PLANES * level * WORDS,
+                ROW + (2 * level if level < LOW_LEVELS else BITS_LOW + 2 * (level - LOW_LEVELS)) * WORDS,
                 WORDS,
-                level,
-                BITS_HIGH,
-                BITS_LOW,
-                C_HIGH,
+                (BITS_LOW - 2 * level if level < LOW_LEVELS else PLANES_HIGH - 2 * (level - LOW_LEVELS)) >= 2,
                 step,
                 key_bit,
                 W_HIGH,
@@ -924,19 +894,16 @@ def _group_scores(
                 KEY_DISTANCE,
                 PAIRED,
             )
-        if W_LOW > 0 and LEVEL_PLANES * level < BITS_LOW:
+        if W_LOW > 0 and level < LOW_LEVELS:
             high, low = _key_level_scores(
                 high,
                 low,
                 key_words,
                 query_lh,
                 query_ll,
-                ROW + LOW_ROW + LEVEL_PLANES * level * WORDS,
+                ROW + LOW_ROW + 2 * level * WORDS,
                 WORDS,
-                level,
-                BITS_LOW,
-                BITS_LOW,
-                0,
+                BITS_LOW - 2 * level >= 2,
                 step,
                 key_bit,
                 W_LOW,
@@ -949,12 +916,9 @@ def _group_scores(
             )
     if PAIRED:
         high, low = _pair_parts(high, GROUP_SCORES)
-    if KEY_DISTANCE > 0:
-        # 128 * high + low in int32: a row's codes read at most 2^5 times too large (bit 4 * tile
-        # + row half), so |high| <= 128 channels x 15 x 127 x 32 = 7.8e6 and 128 * high + low < 1.01e9.
-        return (high * 128 + low).to(gl.float32) * (key_unit * column_scale) + k_offset
-    # In float32: a byte's bit 7 reads 128 times too large, and 128 * high could pass int32.
-    return (high.to(gl.float32) * 128.0 + low.to(gl.float32)) * (key_unit * column_scale) + k_offset
+    # 128 * high + low in int32: a row's codes read at most 2^5 times too large (bit 4 * tile + row
+    # half), so |high| <= 128 channels x 15 x 127 x 32 = 7.8e6 and 128 * high + low < 1.01e9.
+    return (high * 128 + low).to(gl.float32) * (key_unit * column_scale) + k_offset
 
 
 @gluon.jit
@@ -1135,14 +1099,12 @@ def _decode_split_kernel_mma(
     T_G: gl.constexpr,
     G: gl.constexpr,
     C_HIGH: gl.constexpr,
-    BITS_HIGH: gl.constexpr,
+    PLANES_HIGH: gl.constexpr,
     BITS_LOW: gl.constexpr,
     BITS_V: gl.constexpr,
     W_HIGH: gl.constexpr,
-    PLANES_HIGH: gl.constexpr,
     KEY_ROWS: gl.constexpr,
     LOW_ROW: gl.constexpr,
-    SCORE_PLANES: gl.constexpr,
     MMA: gl.constexpr,
     A: gl.constexpr,
     B: gl.constexpr,
@@ -1179,10 +1141,6 @@ def _decode_split_kernel_mma(
     h = (pid_bh % num_heads).to(gl.int64)
     dtype: gl.constexpr = query_ptr.dtype.element_ty
     W_LOW: gl.constexpr = D - W_HIGH
-    # Key levels: thread-owned words hold each pair of planes as 2-bit fields (pnmix_patch/reference/quantize.py),
-    # so a level is two planes; byte quads are planes.
-    LEVEL_PLANES: gl.constexpr = 2 if KEY_DISTANCE > 0 else 1
-    SCORE_LEVELS: gl.constexpr = (SCORE_PLANES + LEVEL_PLANES - 1) // LEVEL_PLANES
 
     # Query columns: with at most 4 query heads per KV head (QUERY_ROWS = 4, BLOCK_Q = 8) the MMA's
     # 8 columns are paired: columns 2j and 2j + 1 both belong to head j, the first for the high 8-bit
@@ -1320,7 +1278,9 @@ def _decode_split_kernel_mma(
     step_rows = gl.expand_dims(gl.arange(0, T, layout=gl.SliceLayout(1, SCORES)), 1)
 
     group_start = split * per_split
-    copy_offsets = _copy_offsets(D, G, C_HIGH, BITS_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, STAGE_GROUPS, COPY_KEYS, COPY_VALUES)
+    copy_offsets = _copy_offsets(
+        D, G, C_HIGH, PLANES_HIGH, BITS_LOW, BITS_V, W_HIGH, KEY_ROWS, LOW_ROW, STAGE_GROUPS, COPY_KEYS, COPY_VALUES
+    )
     for i in gl.static_range(STAGES - 1):
         first = group_start + i * STAGE_GROUPS
         _copy_group_codes(
@@ -1336,7 +1296,7 @@ def _decode_split_kernel_mma(
             D,
             G,
             C_HIGH,
-            BITS_HIGH,
+            PLANES_HIGH,
             BITS_LOW,
             BITS_V,
         )
@@ -1398,12 +1358,8 @@ def _decode_split_kernel_mma(
                     T_G,
                     KEY_ROWS,
                     LOW_ROW,
-                    SCORE_LEVELS,
-                    LEVEL_PLANES,
                     PLANES_HIGH,
-                    BITS_HIGH,
                     BITS_LOW,
-                    C_HIGH,
                     W_HIGH,
                     W_LOW,
                     BLOCK_Q,
@@ -1451,7 +1407,7 @@ def _decode_split_kernel_mma(
                     D,
                     G,
                     C_HIGH,
-                    BITS_HIGH,
+                    PLANES_HIGH,
                     BITS_LOW,
                     BITS_V,
                 )
@@ -1604,17 +1560,16 @@ def kernel_constants(
     tokens = step_tokens(group_size, bits_value)
     group_tokens = group_step_tokens(group_size, bits_value)
     stage_groups = tokens // group_tokens
-    key_distance = key_word_distance(group_size, num_high)
-    assert key_distance == key_word_distance(group_size, head_dim - num_high), "head dims are multiples of 32 (supports_shapes)"
+    planes_high = bits_high - bits_low
+    key_distance = key_word_distance(group_size, head_dim, bits_low)
+    assert key_distance and key_distance == key_word_distance(group_size, num_high, planes_high), "thread-owned words (supports_shapes)"
     kernel_layouts = layouts(head_dim, high_width, query_rows, stage_groups, group_tokens, key_distance)
     mma = kernel_layouts["MMA"]
-    planes_high = bits_high if high_width == num_high else max(bits_high, bits_low)
-    score_planes = max(planes_high if high_width > 0 else 0, bits_low if high_width < head_dim else 0)
     tile = high_width if 0 < high_width < head_dim else head_dim  # both key tiles' width
-    # The key words' shared buffer: each tile's planes, the second's from row low_row on, padded to a
-    # power of two of at least the copy layout's rows (quad_layout).
+    # The key words' shared buffer: the first tile's low and high planes, the second's low planes from
+    # row low_row on, padded to a power of two of at least the copy layout's rows (quad_layout).
     words = group_size // 32
-    low_row = planes_high * words if high_width > 0 else 0
+    low_row = (bits_low + planes_high) * words if high_width > 0 else 0
     used_rows = low_row + (bits_low * words if high_width < head_dim else 0)
     key_rows = max(triton.next_power_of_2(used_rows), NUM_WARPS * 32 // min(32, tile // 4))
     return dict(
@@ -1626,16 +1581,14 @@ def kernel_constants(
         T_G=group_tokens,
         G=group_size,
         C_HIGH=num_high,
-        BITS_HIGH=bits_high,
+        PLANES_HIGH=planes_high,
         BITS_LOW=bits_low,
         BITS_V=bits_value,
         TOP_CORRECTION=top_field_correction(bits_value),
         W_HIGH=high_width,
-        PLANES_HIGH=planes_high,
         KEY_ROWS=key_rows,
         LOW_ROW=low_row,
         KEY_DISTANCE=key_distance,
-        SCORE_PLANES=score_planes,
         STAGES=stages,
         COPY_KEYS=quad_layout(tile // 4),
         COPY_VALUES=value_copy_layout(group_size),
@@ -1691,7 +1644,7 @@ def mma_decode_attention(
         raise ValueError(f"stages must be at least 2 (one stage read while the next is copied), got {stages}")
     batch, q_heads, head_dim = query.shape
     heads = sink_keys.shape[1]
-    group_cap, bits_high, words, c_high = key_codes_high.shape[2:]
+    group_cap, planes_high, words, c_high = key_codes_high.shape[2:]
     num_splits = default_splits(query, batch * heads, group_cap, 32 * words) if num_splits is None else num_splits
     constants = dict(
         kernel_constants(
@@ -1699,7 +1652,7 @@ def mma_decode_attention(
             q_heads // heads,
             32 * words,
             c_high,
-            bits_high,
+            planes_high + key_codes_low.shape[3],
             key_codes_low.shape[3],
             value_codes.shape[3],
             stages,

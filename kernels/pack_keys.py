@@ -6,25 +6,23 @@ reference read the same cache. Used when the residual buffer is flushed.
 
 One program quantizes one group (``G`` tokens x all ``D`` channels) of one
 (sequence, KV head). Channels are gathered into the stored order (``order``:
-selected-pair channels first), so stored channel ``c`` is high-bit iff
+selected-pair channels first), so stored channel ``c`` has ``b_H`` bits iff
 ``c < num_high``. Two passes over the group's tokens:
 
 1. per-channel min, max and non-finite count -> scale and zero (stored 16-bit);
-2. codes from the *stored* scale/zero, then for each bit plane ``p`` (its slot of the codes
-   tensor) the words in the operand order of ``quantize.py``: thread-owned words (a codes
-   tensor of a multiple of 32 channels, ``G`` a multiple of 64), made from blocks of 128
-   tokens (64 where ``G`` is not a multiple of 128; the launcher passes each tensor's tile
-   distance, ``quantize.key_word_distance``, 0 for the other order), each pair of planes as
-   two words of 2-bit fields (slot ``p``: the fields of the chunks' half ``p % 2``) and an odd
-   last plane as bit ``p`` of the codes; else per 32-token row one word of bit ``p`` per
-   channel (bit ``t`` is token ``32 * w + t``), each run of four channels' words
-   byte-transposed.
+2. codes from the *stored* scale/zero, once per codes tensor (:func:`_pack_key_planes`): the low
+   one takes planes ``0 .. b_L - 1`` of every channel, the high one planes ``b_L .. b_H - 1`` of
+   the selected channels. For each bit plane ``p`` (its slot of the tensor) the words in the
+   operand order of ``quantize.py``: thread-owned words (``G`` a multiple of 64; the launcher
+   passes each tensor's tile distance, ``quantize.key_word_distance``, 0 for the other order),
+   made from blocks of 128 tokens (64 where ``G`` is not a multiple of 128), each pair of planes
+   as two words of 2-bit fields (slot ``p``: the fields of the chunks' half ``p % 2``; a last
+   partial chunk's compacted, ``quantize.compact_key_fields``) and an odd last plane as bit ``p``
+   of the codes; else per 32-token row one word of bit ``p`` per channel (bit ``t`` is token ``32
+   * w + t``), each run of four channels' words byte-transposed.
 
-The selected and the other channels are two passes of :func:`_pack_key_channels`, each
-over its own codes tensor (so its layout depends on its own channel count).
-
-Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H, G/32, C_hi]``,
-``codes_low [B, H, groups, b_L, G/32, C_lo]``, ``scale/zero [B, H, groups, D]``.
+Layout (from ``quantize.py``): ``codes_high [B, H, groups, b_H - b_L, G/32, C_hi]``,
+``codes_low [B, H, groups, b_L, G/32, D]``, ``scale/zero [B, H, groups, D]``.
 Limits: ``G`` a multiple of 32, bits <= 8 (any ``D``).
 
 The per-group work is the device function :func:`pack_key_group`, which the static
@@ -70,121 +68,37 @@ def pack_key_group(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     G: tl.constexpr,
-    BITS_HIGH: tl.constexpr,
+    PLANES_HIGH: tl.constexpr,
     BITS_LOW: tl.constexpr,
     MIDPOINT: tl.constexpr,
     HIGH_DISTANCE: tl.constexpr,
     LOW_DISTANCE: tl.constexpr,
 ):
     """Quantize token group ``group`` of one (sequence, KV head) into group slot
-    ``group_out``. The pointers are that head's bases; ``HIGH_DISTANCE``, ``LOW_DISTANCE``: the
+    ``group_out``. The pointers are that head's bases; ``PLANES_HIGH``: the selected channels' upper
+    planes (their codes have ``PLANES_HIGH + BITS_LOW`` bits); ``HIGH_DISTANCE``, ``LOW_DISTANCE``: the
     codes tensors' ``quantize.key_word_distance``."""
-    if NUM_HIGH > 0:
-        _pack_key_channels(
-            keys_ptr,
-            order_ptr,
-            high_ptr,
-            scale_ptr,
-            zero_ptr,
-            group,
-            group_out,
-            s_kt,
-            s_kd,
-            s_od,
-            s_hg,
-            s_hp,
-            s_hw,
-            s_hc,
-            s_sg,
-            s_sd,
-            0,
-            NUM_HIGH,
-            BLOCK_D,
-            G,
-            BITS_HIGH,
-            MIDPOINT,
-            HIGH_DISTANCE,
-        )
-    if NUM_HIGH < D:
-        _pack_key_channels(
-            keys_ptr,
-            order_ptr,
-            low_ptr,
-            scale_ptr,
-            zero_ptr,
-            group,
-            group_out,
-            s_kt,
-            s_kd,
-            s_od,
-            s_lg,
-            s_lp,
-            s_lw,
-            s_lc,
-            s_sg,
-            s_sd,
-            NUM_HIGH,
-            D - NUM_HIGH,
-            BLOCK_D,
-            G,
-            BITS_LOW,
-            MIDPOINT,
-            LOW_DISTANCE,
-        )
-
-
-@triton.jit
-def _pack_key_channels(
-    keys_ptr,
-    order_ptr,
-    codes_ptr,
-    scale_ptr,
-    zero_ptr,
-    group,
-    group_out,
-    s_kt,
-    s_kd,
-    s_od,
-    s_cg,
-    s_cp,
-    s_cw,
-    s_cc,
-    s_sg,
-    s_sd,
-    FIRST: tl.constexpr,
-    COUNT: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    G: tl.constexpr,
-    BITS: tl.constexpr,
-    MIDPOINT: tl.constexpr,
-    DISTANCE: tl.constexpr,
-):
-    """One part of :func:`pack_key_group`: stored channels ``FIRST .. FIRST + COUNT`` (the selected
-    or the other ones), channel ``c`` of its codes tensor being stored channel ``FIRST + c``, at
-    ``BITS`` bits. A part has its own tensor, in the operand order its channel count gives it
-    (``DISTANCE``: its thread-owned words' tile distance, 0 for byte quads)."""
-    words: tl.constexpr = G // 32
-    offs_c = tl.arange(0, BLOCK_C)  # channel of the part
-    c_mask = offs_c < COUNT
+    offs_c = tl.arange(0, BLOCK_D)  # stored channel
+    c_mask = offs_c < D
     offs_t = tl.arange(0, 32)  # token within a 32-token word
 
-    # Stored channel FIRST + c reads original channel order[FIRST + c].
-    order = tl.load(order_ptr + (FIRST + offs_c) * s_od, mask=c_mask, other=0)
+    # Stored channel c reads original channel order[c].
+    order = tl.load(order_ptr + offs_c * s_od, mask=c_mask, other=0)
     row_ptrs = keys_ptr + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
 
     # Pass 1: per-channel statistics over the group.
-    low = tl.full([BLOCK_C], float("inf"), tl.float32)
-    high = tl.full([BLOCK_C], float("-inf"), tl.float32)
-    nonfinite = tl.zeros([BLOCK_C], tl.int32)
-    for w in range(words):
+    low = tl.full([BLOCK_D], float("inf"), tl.float32)
+    high = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    nonfinite = tl.zeros([BLOCK_D], tl.int32)
+    for w in range(G // 32):
         x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
         low = tl.minimum(low, tl.min(x, 0))
         high = tl.maximum(high, tl.max(x, 0))
         nonfinite += tl.sum(tl.where(tl.abs(x) < float("inf"), 0, 1), 0)
 
-    levels = tl.full([BLOCK_C], 2**BITS - 1, tl.float32)
+    levels = tl.where(offs_c < NUM_HIGH, 2 ** (PLANES_HIGH + BITS_LOW) - 1, 2**BITS_LOW - 1).to(tl.float32)
     scale, zero = minmax_scale_zero(low, high, nonfinite, levels, MIDPOINT)
-    param_offs = group_out * s_sg + (FIRST + offs_c) * s_sd
+    param_offs = group_out * s_sg + offs_c * s_sd
     scale = scale.to(scale_ptr.dtype.element_ty)
     zero = zero.to(zero_ptr.dtype.element_ty)
     tl.store(scale_ptr + param_offs, scale, mask=c_mask)
@@ -192,8 +106,78 @@ def _pack_key_channels(
     scale = scale.to(tl.float32)
     zero = zero.to(tl.float32)
 
-    # Pass 2: encode and pack, for each bit plane p, the words of its slot in operand order.
-    codes_base = codes_ptr + group_out * s_cg + offs_c * s_cc
+    # Pass 2, once per codes tensor: the low planes of every channel, the upper ones of the selected.
+    _pack_key_planes(
+        keys_ptr,
+        order,
+        low_ptr + group_out * s_lg,
+        scale,
+        zero,
+        levels,
+        group,
+        s_kt,
+        s_kd,
+        s_lp,
+        s_lw,
+        s_lc,
+        D,
+        0,
+        BITS_LOW,
+        BLOCK_D,
+        G,
+        LOW_DISTANCE,
+    )
+    if PLANES_HIGH > 0 and NUM_HIGH > 0:
+        _pack_key_planes(
+            keys_ptr,
+            order,
+            high_ptr + group_out * s_hg,
+            scale,
+            zero,
+            levels,
+            group,
+            s_kt,
+            s_kd,
+            s_hp,
+            s_hw,
+            s_hc,
+            NUM_HIGH,
+            BITS_LOW,
+            PLANES_HIGH,
+            BLOCK_D,
+            G,
+            HIGH_DISTANCE,
+        )
+
+
+@triton.jit
+def _pack_key_planes(
+    keys_ptr,
+    order,
+    codes_ptr,
+    scale,
+    zero,
+    levels,
+    group,
+    s_kt,
+    s_kd,
+    s_cp,
+    s_cw,
+    s_cc,
+    COUNT: tl.constexpr,
+    SHIFT: tl.constexpr,
+    PLANES: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    G: tl.constexpr,
+    DISTANCE: tl.constexpr,
+):
+    """One codes tensor of :func:`pack_key_group` (``codes_ptr``: its group's first word): planes
+    ``SHIFT .. SHIFT + PLANES`` of the codes of stored channels ``0 .. COUNT`` (channel ``c`` of the
+    tensor is stored channel ``c``), in the operand order its shape gives it (``DISTANCE``: its
+    thread-owned words' tile distance, 0 for byte quads)."""
+    offs_c = tl.arange(0, BLOCK_C)
+    c_mask = offs_c < COUNT
+    offs_t = tl.arange(0, 32)
     if DISTANCE > 0:
         # Thread-owned words (quantize.py): a block of 2 * DISTANCE tokens is PAIRS word rows; token
         # (tile, tile pair, row half, lane row) of channel (chunk, half, lane column, byte) is, in word
@@ -206,12 +190,24 @@ def _pack_key_channels(
         plane_position = byte_tile + 2 * half + ((offs_b // 8) % 2)[:, None]
         field_position = byte_tile + (2 * ((offs_b // 8) % 2))[:, None]
         offs_r = tl.arange(0, PAIRS)
+        # Where word 32 chunk + 4 lane row + lane column (offs_c) of slot p is stored: in place, but in a
+        # last partial chunk compacted (quantize.compact_key_fields): of its PART channels, lane
+        # columns LANES_FIRST / LANES_SECOND of its halves have words, pooled first half then second
+        # and split over the pair's two slots, PART words each.
+        FULL: tl.constexpr = COUNT - COUNT % 32
+        PART: tl.constexpr = COUNT % 32
+        LANES_FIRST: tl.constexpr = min(PART, 16) // 4
+        LANES_SECOND: tl.constexpr = (PART - min(PART, 16)) // 4
+        in_part = (offs_c >= FULL) & (offs_c < FULL + 32)
+        lane_row = offs_c % 32 // 4
+        lane_column = offs_c % 4
         block_ptrs = keys_ptr + (group * G + offs_b)[:, None] * s_kt + (order * s_kd)[None, :]
         for block in range(G // (2 * DISTANCE)):
             x = tl.load(block_ptrs + block * 2 * DISTANCE * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
-            codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
-            for p in tl.static_range(BITS):
-                if p < BITS - BITS % 2:  # slot p of pair p // 2: the fields of the channels of half p % 2
+            codes = encode(x, scale[None, :], zero[None, :], levels[None, :]) >> SHIFT
+            codes = tl.where(c_mask[None, :], codes, 0)
+            for p in tl.static_range(PLANES):
+                if p < PLANES - PLANES % 2:  # slot p of pair p // 2: the fields of the channels of half p % 2
                     bits = tl.where(half == p % 2, ((codes >> (p - p % 2)) & 3) << field_position, 0)
                 else:
                     bits = ((codes >> p) & 1) << plane_position
@@ -219,19 +215,35 @@ def _pack_key_channels(
                 bits = tl.reshape(bits, [2, PAIRS, 2, 8, BLOCK_C // 32, 2, 4, 4])
                 word = tl.sum(tl.sum(tl.sum(tl.sum(bits, 7), 5), 2), 0)  # [tile pair, lane row, chunk, lane column]
                 word = tl.reshape(tl.permute(word, (0, 2, 1, 3)), [PAIRS, BLOCK_C])
-                tl.store(codes_base[None, :] + p * s_cp + (block * PAIRS + offs_r)[:, None] * s_cw, word, mask=c_mask[None, :])
+                if PART > 0:
+                    if p % 2 == 0:
+                        pool = lane_row * LANES_FIRST + lane_column
+                        exists = lane_column < LANES_FIRST
+                    else:
+                        pool = 8 * LANES_FIRST + lane_row * LANES_SECOND + lane_column
+                        exists = lane_column < LANES_SECOND
+                    slot = tl.where(in_part, p - p % 2 + pool // max(PART, 1), p)
+                    column = tl.where(in_part, FULL + pool % max(PART, 1), offs_c)
+                    stored = tl.where(in_part, exists, offs_c < FULL)
+                else:
+                    slot = p
+                    column = offs_c
+                    stored = c_mask
+                offsets = slot * s_cp + column * s_cc
+                tl.store(codes_ptr + offsets[None, :] + (block * PAIRS + offs_r)[:, None] * s_cw, word, mask=stored[None, :])
     else:
         # One 32-token word per channel: the words of each run of four channels byte-transposed, a
         # last run of fewer kept plain.
         in_run = offs_c < 4 * (COUNT // 4)
-        for w in range(words):
+        row_ptrs = keys_ptr + (group * G + offs_t)[:, None] * s_kt + (order * s_kd)[None, :]
+        for w in range(G // 32):
             x = tl.load(row_ptrs + w * 32 * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
-            codes = encode(x, scale[None, :], zero[None, :], levels[None, :])
-            for p in tl.static_range(BITS):
+            codes = encode(x, scale[None, :], zero[None, :], levels[None, :]) >> SHIFT
+            for p in tl.static_range(PLANES):
                 # Distinct bits, so the sum is their OR (bit 31 wraps to the sign, as int32 should).
                 word = tl.sum(((codes >> p) & 1) << offs_t[:, None], 0)
                 word = tl.where(in_run, transpose_byte_quads(word), word)
-                tl.store(codes_base + p * s_cp + w * s_cw, word, mask=c_mask)
+                tl.store(codes_ptr + p * s_cp + w * s_cw + offs_c * s_cc, word, mask=c_mask)
 
 
 @triton.jit
@@ -270,7 +282,7 @@ def _pack_keys_kernel(
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     G: tl.constexpr,
-    BITS_HIGH: tl.constexpr,
+    PLANES_HIGH: tl.constexpr,
     BITS_LOW: tl.constexpr,
     MIDPOINT: tl.constexpr,
     HIGH_DISTANCE: tl.constexpr,
@@ -306,7 +318,7 @@ def _pack_keys_kernel(
         D,
         BLOCK_D,
         G,
-        BITS_HIGH,
+        PLANES_HIGH,
         BITS_LOW,
         MIDPOINT,
         HIGH_DISTANCE,
@@ -329,8 +341,8 @@ def triton_pack_keys(
         raise ValueError(f"group_size={group_size} must be a multiple of 32 dividing tokens={tokens}")
     groups = tokens // group_size
     words = group_size // 32
-    codes_high = keys.new_empty(batch, heads, groups, bits_high, words, num_high, dtype=torch.int32)
-    codes_low = keys.new_empty(batch, heads, groups, bits_low, words, head_dim - num_high, dtype=torch.int32)
+    codes_high = keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32)
+    codes_low = keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32)
     scale = keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype))
     zero = torch.empty_like(scale)
     if scale.numel():
@@ -359,7 +371,7 @@ def launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_c
         D=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         G=group_size,
-        BITS_HIGH=codes_high.shape[3],
+        PLANES_HIGH=codes_high.shape[3],
         BITS_LOW=codes_low.shape[3],
         MIDPOINT=midpoint_correction,
         **key_word_distances(codes_high, codes_low),
@@ -397,8 +409,8 @@ def _pack_keys_fake(keys, order, num_high, group_size, bits_high, bits_low, midp
     batch, heads, tokens, head_dim = keys.shape
     groups, words = tokens // group_size, group_size // 32
     return (
-        keys.new_empty(batch, heads, groups, bits_high, words, num_high, dtype=torch.int32),
-        keys.new_empty(batch, heads, groups, bits_low, words, head_dim - num_high, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32),
         keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
         keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
     )

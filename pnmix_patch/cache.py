@@ -14,7 +14,8 @@ Token regions of every sequence ``b`` (``docs/method.md``, "Online quantization"
 - Pairs are selected once per sequence, from the first chunk holding real tokens
   (the prompt), and stored as a packed bit mask ``[B, H, ceil(D/64)]`` int32.
 - The key format (``PNMixConfig.key_format``) decides the packed key tensors: per-channel
-  codes at two widths (``key_codes_high`` / ``key_codes_low``), PolarQuant's radius and angle
+  codes at two widths (``key_codes_low``: the low planes of every channel, ``key_codes_high``: the
+  planes above them of the selected channels; :mod:`.reference.quantize`), PolarQuant's radius and angle
   codes (``key_codes_radius`` / ``key_codes_angle``, :mod:`.reference.polar`) or ChanMix's four
   channel classes (``key_codes_retrieval`` ... ``key_codes_subnormal`` and the per-sequence
   ``channel_class_bits``, :mod:`.reference.chanmix`, classified at prefill like the pairs).
@@ -171,13 +172,13 @@ class PNMixLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _key_code_widths(self, head_dim: int) -> list[tuple[int, int]]:
-        """(bits, channels) of every packed key code tensor (:data:`KEY_CODE_FIELDS`) at ``head_dim``."""
+        """(planes, channels) of every packed key code tensor (:data:`KEY_CODE_FIELDS`) at ``head_dim``."""
         pnmix_config = self.pnmix_config
         if pnmix_config.key_format == "polar":
             return [(pnmix_config.radius_bits, head_dim // 2), (pnmix_config.angle_bits, head_dim // 2)]
         if pnmix_config.key_format == "channel_classes":
             return list(zip(pnmix_config.class_bits, pnmix_config.class_counts(head_dim)))
-        return [(pnmix_config.key_bits_high, self.num_high), (pnmix_config.key_bits_low, head_dim - self.num_high)]
+        return [(pnmix_config.key_bits_high - pnmix_config.key_bits_low, self.num_high), (pnmix_config.key_bits_low, head_dim)]
 
     @property
     def state_names(self) -> tuple[str, ...]:

@@ -90,7 +90,7 @@ from .static_cache import PNMixStaticCache, PNMixStaticLayer
 FORMAT = "pnmix-cache"
 """The ``format`` metadata of a PN-Mix cache file."""
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """The version of the file layout this library writes and reads."""
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -579,8 +579,8 @@ def _expected_shapes(reader, index: int, info: CacheFileInfo, path) -> dict[str,
         "residual_keys": ((batch, heads, residual if not config.quantize else config.residual_tokens, head_dim), dtype),
         "residual_values": ((batch, heads, residual if not config.quantize else config.residual_tokens, head_dim), dtype),
         "residual_len": ((batch,), torch.int32),
-        "key_codes_high": ((batch, heads, groups, config.key_bits_high, words, num_high), torch.int32),
-        "key_codes_low": ((batch, heads, groups, config.key_bits_low, words, head_dim - num_high), torch.int32),
+        "key_codes_high": ((batch, heads, groups, config.key_bits_high - config.key_bits_low, words, num_high), torch.int32),
+        "key_codes_low": ((batch, heads, groups, config.key_bits_low, words, head_dim), torch.int32),
         "key_scale": ((batch, heads, groups, head_dim), scale),
         "key_zero": ((batch, heads, groups, head_dim), scale),
         "value_codes": ((batch, heads, groups * config.key_group_size, config.value_bits, head_dim // 32), torch.int32),

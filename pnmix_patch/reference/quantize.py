@@ -34,19 +34,27 @@ of 32) are stored as ``b`` planes of ``n / 32`` int32 words; bit ``t % 32`` of w
 ``t // 32`` of plane ``p`` is bit ``p`` of code ``t``. Any width packs exactly
 (3 bits cost 3 bits), and a reader rebuilds a code with shifts and masks.
 
-Packed cache layout (per layer; ``C_hi = 2 * selected pairs``, ``C_lo = D - C_hi``;
-channels of a head are stored *selected first*, each part in increasing channel
-order, see :func:`channel_order`):
+Packed cache layout (per layer; ``C_hi = 2 * selected pairs``; channels of a head are
+stored *selected first*, each part in increasing channel order, see :func:`channel_order`):
 
-=====================  =========================================  =======
-tensor                 shape                                      dtype
-=====================  =========================================  =======
-key codes, selected    ``[B, H, groups, b_H, G/32, C_hi]``        int32
-key codes, others      ``[B, H, groups, b_L, G/32, C_lo]``        int32
-key scale / zero       ``[B, H, groups, D]`` (stored order)       16-bit
-value codes            ``[B, H, groups*G, b_V, D/32]``            int32
-value scale / zero     ``[B, H, groups*G, D/Gv]``                 16-bit
-=====================  =========================================  =======
+=====================  ===============================================  =======
+tensor                 shape                                            dtype
+=====================  ===============================================  =======
+key codes, high        ``[B, H, groups, b_H - b_L, G/32, C_hi]``        int32
+key codes, low         ``[B, H, groups, b_L, G/32, D]``                 int32
+key scale / zero       ``[B, H, groups, D]`` (stored order)             16-bit
+value codes            ``[B, H, groups*G, b_V, D/32]``                  int32
+value scale / zero     ``[B, H, groups*G, D/Gv]``                       16-bit
+=====================  ===============================================  =======
+
+A selected channel's code has ``b_H`` bits, another's ``b_L``. The low codes tensor holds
+planes ``0 .. b_L - 1`` of every channel's code, the high one planes ``b_L .. b_H - 1`` of
+the selected channels' codes (:func:`unpack_stored_keys`: ``code = low + 2^b_L * high``).
+The bits are those of one tensor of ``b_H`` planes for the selected channels and one of
+``b_L`` for the others (``b_L * D + (b_H - b_L) * C_hi = b_H * C_hi + b_L * (D - C_hi)``),
+split so that the low tensor spans whole 32-channel chunks (``D`` is a multiple of 32),
+which the kernel's fastest word order needs, and the high one is one pair of planes for
+every preset.
 
 Keys are packed along tokens (quantized per channel), values along channels
 (quantized per token), so a 32-token tile of keys is one row of words.
@@ -57,26 +65,32 @@ tensor-core operands from, so that it copies them and reads them as they are ins
 of byte-transposing every group in shared memory. A permutation of the bits of each
 plane of each group (:func:`keys_to_operand_order`, :func:`values_to_operand_order`):
 
-- keys, thread-owned words, in a codes tensor of a multiple of 32 channels with ``G`` a
-  multiple of 64 (:func:`thread_owned_keys`: every preset's tensors at head dim 64 and 128
-  but ``pnmix-2``'s, 52 and 76 channels at 128, 26 and 38 at 64, and ``kitty``'s at 64, 16
-  and 48). Each word holds the 32 bits one thread of the kernel's MMA needs of a 32-channel
-  chunk: the rows ``g`` and ``g + 8`` of two 16-token tiles ``S`` tokens apart
-  (:func:`key_tile_distance`: ``S`` = 64, or 32 where ``G`` is not a multiple of 128) and
-  the channels ``4l .. 4l + 3`` and ``16 + 4l .. 16 + 4l + 3`` (a kernel step of 128 tokens
-  gives a warp both tiles; in a step of 64 tokens a warp holds one of them and uses half of
-  each word). Token ``t`` of the group is (block ``t // 2S``, tile ``t // S % 2``, tile pair
-  ``t % S // 16``, row half ``t // 8 % 2``, lane row ``g = t % 8``); channel ``c`` of the
-  tensor is (chunk ``c // 32``, half ``c // 16 % 2``, lane column ``l = c // 4 % 4``, byte
-  ``i = c % 4``). Its code bit is bit ``8i + 4 tile + 2 half + row half`` of word row
-  ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``. (In the byte-quad order below a
-  word serves eight threads, so eight of them read it; here each thread reads only its own.)
-  Then each pair of planes
-  ``(2m, 2m + 1)`` is stored as two words of 2-bit fields (:func:`key_planes_to_fields`), so
-  that one 8-bit operand carries two planes: the pair's slot ``2m + h`` (``h``, the chunk's half)
-  holds, at bits ``8i + 4 tile + 2 row half + j``, bit ``j`` of the 2-bit code ``(code >> 2m) &
-  3`` of the channel of half ``h`` (the plane word's bit ``8i + 4 tile + 2h + row half`` of plane
-  ``2m + j``); an odd last plane stays a plane word;
+- keys, thread-owned words, with ``G`` a multiple of 64 in a codes tensor of a multiple
+  of 32 channels, or of a multiple of 4 channels whose planes come in pairs
+  (:func:`thread_owned_keys`: every preset's tensors but the high one of ``pnmix-2`` at
+  head dim 64, 26 channels). Each word holds the 32 bits one thread of the kernel's MMA
+  needs of a 32-channel chunk: the rows ``g`` and ``g + 8`` of two 16-token tiles ``S``
+  tokens apart (:func:`key_tile_distance`: ``S`` = 64, or 32 where ``G`` is not a
+  multiple of 128) and the channels ``4l .. 4l + 3`` and ``16 + 4l .. 16 + 4l + 3`` (a
+  kernel step of 128 tokens gives a warp both tiles; in a step of 64 tokens a warp holds
+  one of them and uses half of each word). Token ``t`` of the group is (block ``t // 2S``,
+  tile ``t // S % 2``, tile pair ``t % S // 16``, row half ``t // 8 % 2``, lane row ``g =
+  t % 8``); channel ``c`` of the tensor is (chunk ``c // 32``, half ``c // 16 % 2``, lane
+  column ``l = c // 4 % 4``, byte ``i = c % 4``). Its code bit is bit ``8i + 4 tile + 2
+  half + row half`` of word row ``block * S/16 + tile pair``, word ``32 chunk + 4g + l``.
+  (In the byte-quad order below a word serves eight threads, so eight of them read it;
+  here each thread reads only its own.) Then each pair of planes ``(2m, 2m + 1)`` is
+  stored as two words of 2-bit fields (:func:`key_planes_to_fields`), so that one 8-bit
+  operand carries two planes: the pair's slot ``2m + h`` (``h``, the chunk's half) holds,
+  at bits ``8i + 4 tile + 2 row half + j``, bit ``j`` of the 2-bit code ``(code >> 2m) &
+  3`` of the channel of half ``h`` (the plane word's bit ``8i + 4 tile + 2h + row half``
+  of plane ``2m + j``); an odd last plane stays a plane word. A last chunk of ``P = C %
+  32`` channels (``pnmix-2``'s high tensor at head dim 128: 20 of its 52) is compacted
+  (:func:`compact_key_fields`): of each slot only the words of lane columns that hold
+  channels are stored (``min(P, 16) / 4`` in the first half, ``(P - min(P, 16)) / 4`` in
+  the second), for each pair and word row the first half's words then the second half's,
+  each in word order, ``2P`` words in all: the first ``P`` at the chunk's place in slot
+  ``2m``, the rest in slot ``2m + 1``. So the tensor keeps its shape and its bytes;
 - keys of other tensors: the words of four consecutive stored channels ``4q .. 4q + 3``
   (same plane and word row) are byte-transposed (:func:`transpose_byte_quads`: in a run of
   four words, word ``b``'s byte ``i`` is byte ``b`` of word ``i``): bit ``8i + j`` of word
@@ -209,17 +223,65 @@ def key_tile_distance(group_size: int) -> int:
     return 64 if group_size % 128 == 0 else 32
 
 
-def thread_owned_keys(group_size: int, channels: int) -> bool:
-    """Whether a key codes tensor of ``channels`` channels over ``group_size``-token groups stores
-    thread-owned words (else runs of four channels byte-transposed; module docstring, "keys")."""
-    return channels % 32 == 0 and group_size % 64 == 0
+def thread_owned_keys(group_size: int, channels: int, planes: int) -> bool:
+    """Whether a key codes tensor of ``planes`` planes of ``channels`` channels over ``group_size``-token
+    groups stores thread-owned words (else runs of four channels byte-transposed; module docstring,
+    "keys"): ``G`` a multiple of 64 and the channels whole 32-channel chunks, or a last partial chunk
+    of a multiple of 4 channels whose planes all come in pairs (stored compacted,
+    :func:`compact_key_fields`)."""
+    if group_size % 64 or planes == 0:
+        return group_size % 64 == 0
+    return channels % 32 == 0 or (planes % 2 == 0 and channels % 4 == 0)
 
 
-def key_word_distance(group_size: int, channels: int) -> int:
+def key_word_distance(group_size: int, channels: int, planes: int) -> int:
     """A key codes tensor's word order as the kernels take it (a constexpr): the
     :func:`key_tile_distance` of its thread-owned words, or 0 for byte-transposed runs of four
     (:func:`thread_owned_keys`)."""
-    return key_tile_distance(group_size) if thread_owned_keys(group_size, channels) else 0
+    return key_tile_distance(group_size) if thread_owned_keys(group_size, channels, planes) else 0
+
+
+def partial_chunk_lanes(channels: int) -> tuple[int, int]:
+    """Lane columns of a thread-owned key tensor's last, partial 32-channel chunk that hold channels,
+    in its first and its second half (``channels % 32 = 16 + 4 * 1`` gives ``(4, 1)``; a whole
+    last chunk ``(0, 0)``): its field words exist for those lanes only (:func:`compact_key_fields`)."""
+    partial = channels % 32
+    first = min(partial, 16)
+    return first // 4, (partial - first) // 4
+
+
+def compact_key_fields(words: torch.Tensor, channels: int) -> torch.Tensor:
+    """Thread-owned field words ``[..., b, G/32, C']`` of a tensor padded to whole chunks (``C'`` the
+    multiple of 32 above ``channels``, zero codes past ``channels``) as stored, ``[..., b, G/32,
+    channels]``: the whole chunks' words as they are, and of the last chunk, for each pair of slots
+    and word row, only the words of lanes that hold channels (:func:`partial_chunk_lanes`), its first
+    half's (slot ``2m``) then its second half's (slot ``2m + 1``), each lane row by lane row (word
+    ``4g + l`` in order): ``2 * (channels % 32)`` words, the first ``channels % 32`` at slot ``2m``,
+    the rest at slot ``2m + 1`` (module docstring, "keys")."""
+    full = channels - channels % 32
+    if full == channels:
+        return words
+    *lead, planes, rows, _ = words.shape
+    lanes = partial_chunk_lanes(channels)
+    last = words[..., full : full + 32].reshape(*lead, planes // 2, 2, rows, 8, 4)
+    pool = torch.cat([last[..., h, :, :, : lanes[h]].reshape(*lead, planes // 2, rows, 8 * lanes[h]) for h in (0, 1)], -1)
+    tail = pool.unflatten(-1, (2, channels - full)).movedim(-2, -3).reshape(*lead, planes, rows, channels - full)
+    return torch.cat([words[..., :full], tail], -1)
+
+
+def expand_key_fields(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`compact_key_fields`: the words padded to whole chunks, zeros where no lane
+    holds channels."""
+    *lead, planes, rows, channels = words.shape
+    full = channels - channels % 32
+    if full == channels:
+        return words
+    lanes = partial_chunk_lanes(channels)
+    pool = words[..., full:].reshape(*lead, planes // 2, 2, rows, channels - full).movedim(-3, -2).flatten(-2)
+    last = words.new_zeros(*lead, planes // 2, 2, rows, 8, 4)
+    for h, start in ((0, 0), (1, 8 * lanes[0])):
+        last[..., h, :, :, : lanes[h]] = pool[..., start : start + 8 * lanes[h]].reshape(*lead, planes // 2, rows, 8, lanes[h])
+    return torch.cat([words[..., :full], last.reshape(*lead, planes, rows, 32)], -1)
 
 
 def _words_of_bits(bits: torch.Tensor) -> torch.Tensor:
@@ -287,51 +349,60 @@ def _in_token_order(
 def keys_to_operand_order(codes: torch.Tensor) -> torch.Tensor:
     """Key words ``[..., b, G/32, C]`` (plain bit planes: bit ``t % 32`` of word ``(p, t // 32, c)`` is
     bit ``p`` of token ``t``'s code of channel ``c``) in operand order (module docstring, "keys")."""
-    *lead, rows, channels = codes.shape
+    *lead, planes, rows, channels = codes.shape
     group_size = 32 * rows
-    if not thread_owned_keys(group_size, channels):
+    if not thread_owned_keys(group_size, channels, planes):
         return transpose_byte_quads(codes, -1)
-    token_dims, channel_dims = _thread_owned_dims(group_size, channels)
-    bits = _bits_of_words(codes).transpose(-1, -2).reshape(*lead, *token_dims, *channel_dims)
-    bits = bits.permute(*range(len(lead)), *(len(lead) + d for d in _WORD_FROM_TOKEN_DIMS))
-    return key_planes_to_fields(_words_of_bits(bits.reshape(*lead, rows, channels, WORD_BITS)))
+    padded = -channels % 32
+    codes = torch.nn.functional.pad(codes, (0, padded))
+    token_dims, channel_dims = _thread_owned_dims(group_size, channels + padded)
+    bits = _bits_of_words(codes).transpose(-1, -2).reshape(*lead, planes, *token_dims, *channel_dims)
+    bits = bits.permute(*range(len(lead) + 1), *(len(lead) + 1 + d for d in _WORD_FROM_TOKEN_DIMS))
+    words = key_planes_to_fields(_words_of_bits(bits.reshape(*lead, planes, rows, channels + padded, WORD_BITS)))
+    return compact_key_fields(words, channels)
 
 
 def keys_from_operand_order(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`keys_to_operand_order`."""
-    *lead, rows, channels = codes.shape
-    if not thread_owned_keys(32 * rows, channels):
+    *lead, planes, rows, channels = codes.shape
+    if not thread_owned_keys(32 * rows, channels, planes):
         return transpose_byte_quads(codes, -1)  # its own inverse
-    bits = _in_token_order(_bits_of_words(key_fields_to_planes(codes)), lead, rows, channels).reshape(*lead, rows, WORD_BITS, channels)
-    return _words_of_bits(bits.transpose(-1, -2))
+    codes = expand_key_fields(codes)
+    padded = codes.shape[-1]
+    bits = _in_token_order(_bits_of_words(key_fields_to_planes(codes)), [*lead, planes], rows, padded)
+    return _words_of_bits(bits.reshape(*lead, planes, rows, WORD_BITS, padded).transpose(-1, -2))[..., :channels]
 
 
 def _thread_owned_codes(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``[..., G, C]`` of a thread-owned key codes tensor ``[..., b, G/32, C]`` in operand order:
     the pairs' 2-bit fields read from the words' bytes in place (bytes for codes of at most 8 bits,
     else int32), the odd last plane's bits added on top."""
-    *lead, planes, rows, channels = codes.shape
+    channels = codes.shape[-1]
+    codes = expand_key_fields(codes)
+    *lead, planes, rows, padded = codes.shape
     pairs = planes // 2
     if not pairs or sys.byteorder != "little":
-        return _in_token_order(_codes_per_bit(key_fields_to_planes(codes), 2), lead, rows, channels)
+        return _in_token_order(_codes_per_bit(key_fields_to_planes(codes), 2), lead, rows, padded)[..., :channels]
     dtype = torch.uint8 if planes <= 8 else torch.int32
     # Byte i of slot 2m + half holds field f = 2 tile + row half at bits 2f, 2f + 1: [..., pair, half, rows, C, i, f].
-    word_bytes = codes[..., : 2 * pairs, :, :].contiguous().view(torch.uint8).reshape(*lead, pairs, 2, rows, channels, 4, 1)
+    word_bytes = codes[..., : 2 * pairs, :, :].contiguous().view(torch.uint8).reshape(*lead, pairs, 2, rows, padded, 4, 1)
     fields = ((word_bytes >> torch.arange(0, 8, 2, dtype=torch.uint8, device=codes.device)) & 3).to(dtype)
     weights = 2 * torch.arange(pairs, dtype=dtype, device=codes.device).view(pairs, 1, 1, 1, 1, 1)
     fields = (fields << weights).sum(-6, dtype=dtype) if pairs > 1 else fields.squeeze(-6)  # [..., half, rows, C, i, f]
     if planes % 2:  # the odd last plane's bit 8i + 4 tile + 2 half + row half, in the fields' order
-        top = codes[..., -1:, :, :].contiguous().view(torch.uint8).reshape(*lead, 1, rows, channels, 4, 1)
+        top = codes[..., -1:, :, :].contiguous().view(torch.uint8).reshape(*lead, 1, rows, padded, 4, 1)
         positions = torch.tensor([[0, 1, 4, 5], [2, 3, 6, 7]], dtype=torch.uint8, device=codes.device)  # [half, f]
         fields = fields + (((top >> positions.view(2, 1, 1, 1, 4)) & 1).to(dtype) << (2 * pairs))
-    return _in_token_order(fields, lead, rows, channels, _FIELD_FROM_TOKEN_DIMS)
+    return _in_token_order(fields, lead, rows, padded, _FIELD_FROM_TOKEN_DIMS)[..., :channels]
 
 
 def unpack_keys(codes: torch.Tensor) -> torch.Tensor:
     """Codes ``int32[..., G, C]`` of a key codes tensor ``[..., b, G/32, C]`` as :func:`quantize_keys`
     stores it (``b`` bit planes in operand order)."""
-    rows, channels = codes.shape[-2:]
-    if not thread_owned_keys(32 * rows, channels):  # plain words: [..., C, b, G/32] -> [..., C, G]
+    planes, rows, channels = codes.shape[-3:]
+    if not planes:
+        return codes.new_zeros(*codes.shape[:-3], 32 * rows, channels)
+    if not thread_owned_keys(32 * rows, channels, planes):  # plain words: [..., C, b, G/32] -> [..., C, G]
         return unpack_bits(transpose_byte_quads(codes, -1).movedim(-1, -3)).transpose(-1, -2)
     return _thread_owned_codes(codes).to(torch.int32)
 
@@ -454,8 +525,9 @@ def quantize_keys(
         channel_mask: bool ``[B, H, D]``, True for channels of selected pairs; exactly
             ``num_high`` True per head.
     Returns:
-        ``(codes_high [B, H, T/G, b_H, G/32, C_hi], codes_low [B, H, T/G, b_L, G/32, C_lo],
-        scale [B, H, T/G, D], zero [B, H, T/G, D])``, channels in :func:`channel_order`.
+        ``(codes_high [B, H, T/G, b_H - b_L, G/32, C_hi], codes_low [B, H, T/G, b_L, G/32, D],
+        scale [B, H, T/G, D], zero [B, H, T/G, D])``, channels in :func:`channel_order`: the low
+        ``b_L`` planes of every channel's code and the upper ones of the selected channels' codes.
     """
     batch, heads, tokens, head_dim = keys.shape
     groups = tokens // group_size
@@ -466,10 +538,22 @@ def quantize_keys(
     codes, scales, zeros = [], [], []
     for part, bits in ((stored[..., :num_high], bits_high), (stored[..., num_high:], bits_low)):
         scale, zero = minmax_params(part, bits, 3, midpoint_correction, scale_dtype)
-        codes.append(keys_to_operand_order(pack_key_codes(encode(part, scale, zero, bits), bits)))
+        codes.append(encode(part, scale, zero, bits))
         scales.append(scale.squeeze(3))
         zeros.append(zero.squeeze(3))
-    return codes[0], codes[1], torch.cat(scales, -1), torch.cat(zeros, -1)
+    codes = torch.cat(codes, -1)
+    codes_low = keys_to_operand_order(pack_key_codes(codes & ((1 << bits_low) - 1), bits_low))
+    codes_high = keys_to_operand_order(pack_key_codes(codes[..., :num_high] >> bits_low, bits_high - bits_low))
+    return codes_high, codes_low, torch.cat(scales, -1), torch.cat(zeros, -1)
+
+
+def unpack_stored_keys(codes_high: torch.Tensor, codes_low: torch.Tensor) -> torch.Tensor:
+    """Codes ``int32[..., G, D]`` of the stored channels from :func:`quantize_keys`' two codes
+    tensors: the low planes of every channel plus the upper planes of the selected ones."""
+    codes = unpack_keys(codes_low)
+    num_high = codes_high.shape[-1]
+    upper = unpack_keys(codes_high) << codes_low.shape[-3]
+    return torch.cat([codes[..., :num_high] + upper, codes[..., num_high:]], -1)
 
 
 def dequantize_keys(
@@ -484,15 +568,7 @@ def dequantize_keys(
     ``channel_mask`` is bool ``[B, H, D]`` (one selection per sequence) or
     ``[B, H, groups, D]`` (a selection per group, as written by per-group re-selection).
     """
-    num_high = codes_high.shape[-1]
-    parts = []
-    for codes, part_scale, part_zero in (
-        (codes_high, scale[..., :num_high], zero[..., :num_high]),
-        (codes_low, scale[..., num_high:], zero[..., num_high:]),
-    ):
-        # [B, H, n, bits, G/32, C] -> codes [B, H, n, G, C]
-        parts.append(decode(unpack_keys(codes), part_scale.unsqueeze(3), part_zero.unsqueeze(3)))
-    stored = torch.cat(parts, -1)
+    stored = decode(unpack_stored_keys(codes_high, codes_low), scale.unsqueeze(3), zero.unsqueeze(3))
     batch, heads, groups, group_size, head_dim = stored.shape
     stored = stored.reshape(batch, heads, groups * group_size, head_dim)
     if channel_mask.dim() == 4:

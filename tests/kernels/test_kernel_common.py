@@ -94,7 +94,7 @@ KERNELS = {
         "pnmix_patch.kernels.decode_append",
         "_append_token_kernel",
         APPEND_POINTERS,
-        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
+        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, PLANES_HIGH=2, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
         "ROTATE=False, NORM=False, RATIO=1, BLOCK_R=1, "
         "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))",
     ),
@@ -102,7 +102,7 @@ KERNELS = {
         "pnmix_patch.kernels.decode_append",
         "_append_token_kernel",
         APPEND_POINTERS,
-        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, BITS_HIGH=3, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
+        "dict(BLOCK_D=128, NUM_HIGH=64, G=128, PLANES_HIGH=2, BITS_LOW=1, MIDPOINT=True, BLOCK_T=32, HIGH_DISTANCE=64, LOW_DISTANCE=64, "
         "ROTATE=True, NORM=True, RATIO=4, BLOCK_R=4, "
         "**__import__('pnmix_patch.kernels.pack_values', fromlist=['value_layout']).value_layout(128, 1, 2))",
     ),
@@ -121,7 +121,7 @@ KERNELS = {
             "l_out_ptr": F32,
             "acc_out_ptr": F32,
         },
-        "dict(RATIO=4, BLOCK_Q=16, D=128, BLOCK_D=128, G=128, C_HIGH=64, BITS_HIGH=3, BITS_LOW=1, BITS_V=2, "
+        "dict(RATIO=4, BLOCK_Q=16, D=128, BLOCK_D=128, G=128, C_HIGH=64, PLANES_HIGH=2, BITS_LOW=1, BITS_V=2, "
         "GV=128, HIGH_DISTANCE=64, LOW_DISTANCE=64, BLOCK_N_DENSE=64, DOT_PRECISION='tf32')",
     ),
     "split-gluon": (

@@ -9,15 +9,18 @@ from hypothesis import strategies as st
 
 from pnmix_patch.reference.quantize import (
     channel_order,
+    compact_key_fields,
     decode,
     dequantize_keys,
     dequantize_values,
     encode,
+    expand_key_fields,
     key_word_distance,
     keys_from_operand_order,
     keys_to_operand_order,
     minmax_params,
     pack_bits,
+    partial_chunk_lanes,
     quantize_keys,
     quantize_values,
     scale_dtype_for,
@@ -25,6 +28,7 @@ from pnmix_patch.reference.quantize import (
     transpose_byte_quads,
     unpack_bits,
     unpack_keys,
+    unpack_stored_keys,
     unpack_values,
     values_from_operand_order,
     values_to_operand_order,
@@ -238,19 +242,29 @@ def test_transpose_byte_quads_known_words():
         (4, 64, 4),
         (2, 32, 2),
         (2, 32, 1),
+        (2, 52, 2),
+        (4, 20, 4),
+        (2, 16, 2),
+        (2, 44, 2),
+        (2, 26, 2),
+        (2, 52, 3),
     ],
 )
 def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
     """Every plane's bits where the module docstring puts them: thread-owned words with each pair of
-    planes as two words of 2-bit fields and an odd last plane as a plane, or byte quads."""
+    planes as two words of 2-bit fields (a last partial chunk's compacted) and an odd last plane as a
+    plane, or byte quads."""
     plain = random_words(2, planes, rows, channels, seed=rows * 100 + channels + planes)  # [groups, planes, word rows, C]
     ordered = keys_to_operand_order(plain)
+    assert ordered.shape == plain.shape
     group_size = 32 * rows
-    owned = thread_owned_keys(group_size, channels)
-    assert owned == (channels % 32 == 0 and group_size % 64 == 0)
+    owned = thread_owned_keys(group_size, channels, planes)
+    assert owned == (group_size % 64 == 0 and (channels % 32 == 0 or (planes % 2 == 0 and channels % 4 == 0)))
     distance = 64 if group_size % 128 == 0 else 32
-    assert key_word_distance(group_size, channels) == (distance if owned else 0)  # what the kernels are given
+    assert key_word_distance(group_size, channels, planes) == (distance if owned else 0)  # what the kernels are given
     runs = 4 * (channels // 4)
+    full, part = channels - channels % 32, channels % 32
+    lanes = (min(part, 16) // 4, (part - min(part, 16)) // 4)
     for p in range(planes):
         in_pair = p < planes - planes % 2
         for c in range(channels):
@@ -259,8 +273,12 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
                     block, tile, pair, row_half, lane_row = t // (2 * distance), t // distance % 2, t % distance // 16, t // 8 % 2, t % 8
                     chunk, half, lane_column, byte = c // 32, c // 16 % 2, c // 4 % 4, c % 4
                     row, column = block * (distance // 16) + pair, 32 * chunk + 4 * lane_row + lane_column
+                    slot = p - p % 2 + half
+                    if in_pair and c >= full:  # the partial chunk: its halves' words pooled, part words per slot
+                        pool = (0 if half == 0 else 8 * lanes[0]) + lane_row * lanes[half] + lane_column
+                        slot, column = p - p % 2 + pool // part, full + pool % part
                     if in_pair:  # slot 2m + half, bit 8 byte + 4 tile + 2 row half + p % 2
-                        got = bit(ordered[1, p - p % 2 + half, row, column], 8 * byte + 4 * tile + 2 * row_half + p % 2)
+                        got = bit(ordered[1, slot, row, column], 8 * byte + 4 * tile + 2 * row_half + p % 2)
                     else:
                         got = bit(ordered[1, p, row, column], 8 * byte + 4 * tile + 2 * half + row_half)
                 elif c < runs:  # bit 8i + j of word 4q + b is token 8b + j of channel 4q + i
@@ -286,15 +304,46 @@ def test_keys_in_operand_order_hold_the_documented_bits(rows, channels, planes):
         (2, 32, 4),
         (4, 32, 8),
         (4, 32, 10),
+        (2, 52, 2),
+        (4, 20, 4),
+        (2, 0, 2),
     ],
 )
 def test_unpack_keys_reads_the_stored_codes(rows, channels, planes):
     """Codes of 1 to 4 bits (field words alone, or with an odd last plane), 8, and 9 or 10 (past the
-    bytes the codes are combined in up to 8 bits)."""
+    bytes the codes are combined in up to 8 bits); a compacted partial chunk."""
     plain = random_words(2, planes, rows, channels, seed=channels + planes)  # [groups, planes, word rows, C]
     codes = unpack_keys(keys_to_operand_order(plain))
     assert codes.shape == (2, 32 * rows, channels)
     assert torch.equal(codes, unpack_bits(plain.permute(0, 3, 1, 2)).transpose(-1, -2))
+
+
+@pytest.mark.parametrize(
+    "channels, lanes", [(52, (4, 1)), (20, (4, 1)), (16, (4, 0)), (44, (3, 0)), (8, (2, 0)), (28, (4, 3)), (64, (0, 0))]
+)
+def test_compacted_chunk_keeps_the_words_of_lanes_with_channels(channels, lanes):
+    """A last partial chunk's field words: only lanes that hold channels are stored (2 words per
+    channel and word row, so the tensor keeps its shape), and expanding puts them back with zeros
+    for the others."""
+    assert partial_chunk_lanes(channels) == lanes
+    padded = -(-channels // 32) * 32
+    words = random_words(2, 4, 3, padded, seed=channels)  # [groups, 2 pairs of slots, word rows, C']
+    last = words[..., padded - 32 :].unflatten(-1, (8, 4))  # [..., lane row, lane column]
+    for slot in range(4):
+        last[:, slot, :, :, lanes[slot % 2] :] = 0  # lanes without channels hold no bits
+    compact = compact_key_fields(words, channels)
+    assert compact.shape == (2, 4, 3, channels)
+    assert torch.equal(compact[..., : channels - channels % 32], words[..., : channels - channels % 32])
+    assert torch.equal(expand_key_fields(compact), words)
+
+
+def test_unpack_stored_keys_adds_the_high_planes_above_the_low_ones():
+    gen = torch.Generator().manual_seed(5)
+    codes = torch.randint(0, 8, (2, 64, 32), generator=gen)  # selected channels first: 12 of 3 bits, 20 of 1
+    codes[..., 12:] &= 1
+    high = keys_to_operand_order(pack_bits(codes[..., :12].transpose(-1, -2) >> 1, 2).movedim(-3, -1))
+    low = keys_to_operand_order(pack_bits(codes.transpose(-1, -2) & 1, 1).movedim(-3, -1))
+    assert torch.equal(unpack_stored_keys(high, low), codes)
 
 
 @pytest.mark.parametrize("tokens, block, bits", [(64, 32, 2), (70, 32, 2), (20, 8, 3), (3, 8, 2), (8, 4, 1), (12, 4, 4)])
@@ -399,8 +448,8 @@ def test_quantize_keys_matches_reference(num_high, bits_high, bits_low, midpoint
     mask = random_channel_mask(batch, heads, head_dim, num_high, gen)
     codes_high, codes_low, scale, zero = quantize_keys(keys, mask, num_high, group, bits_high, bits_low, midpoint)
     groups = tokens // group
-    assert codes_high.shape == (batch, heads, groups, bits_high, group // 32, num_high)
-    assert codes_low.shape == (batch, heads, groups, bits_low, group // 32, head_dim - num_high)
+    assert codes_high.shape == (batch, heads, groups, bits_high - bits_low, group // 32, num_high)
+    assert codes_low.shape == (batch, heads, groups, bits_low, group // 32, head_dim)
     assert codes_high.dtype == codes_low.dtype == torch.int32
     assert scale.shape == zero.shape == (batch, heads, groups, head_dim)
     assert scale.dtype == zero.dtype == torch.float16
@@ -413,9 +462,10 @@ def test_quantize_keys_matches_reference(num_high, bits_high, bits_low, midpoint
     order = channel_order(mask)[:, :, None, :].expand(-1, -1, groups, -1)
     torch.testing.assert_close(scale.float(), ref_scale.gather(-1, order), rtol=0, atol=0)
     torch.testing.assert_close(zero.float(), ref_zero.gather(-1, order), rtol=0, atol=0)
-    # packed layout: [B, H, groups, bits, G/32, C], bit planes along tokens, stored channel order, operand order
+    # packed layout: [B, H, groups, planes, G/32, C], bit planes along tokens, stored channel order, operand
+    # order: the low planes of every channel, the upper ones of the selected channels
     stored_codes = ref_codes.gather(-1, order[:, :, :, None, :].expand(-1, -1, -1, group, -1))
-    for packed, part in ((codes_high, stored_codes[..., :num_high]), (codes_low, stored_codes[..., num_high:])):
+    for packed, part in ((codes_high, stored_codes[..., :num_high] >> bits_low), (codes_low, stored_codes & ((1 << bits_low) - 1))):
         plain = keys_from_operand_order(packed)
         assert torch.equal(unpack_bits(plain.permute(0, 1, 2, 5, 3, 4)).transpose(-1, -2), part)
 
