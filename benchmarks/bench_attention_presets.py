@@ -1,0 +1,85 @@
+"""Decode attention of chosen presets beside bf16 SDPA at chosen shapes: the quick A/B of a kernel change.
+
+``bench_attention.py`` times the full matrix (every preset, the Triton kernel, copy bandwidth, flush
+cost, correctness checks) in about four minutes of GPU time; this script times only what it is asked,
+in the same way (one layer of the Qwen3-8B head shape, ``common.build_cache``, median of CUDA-graph
+replays, bf16 SDPA over an uncompressed cache of the same length in the same process), after two
+checks per preset: the CUDA key packer against the PyTorch reference (bit-identical) and the Gluon
+kernel's output against the float32 reference at batch 4 / 4K (relative error). It times the Gluon
+kernel (``mma_decode_attention``, what the op runs on these shapes).
+
+Usage::
+
+    python benchmarks/bench_attention_presets.py [--presets pnmix-2 pnmix-1] [--shapes 32:32768 8:32768] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from common import HEAD_DIM, KV_HEADS, Q_HEADS, build_cache, median_ms, report_writer
+
+from pnmix_patch.config import PRESETS
+from pnmix_patch.kernels.decode_attention import decode_attention_reference
+from pnmix_patch.kernels.decode_attention_mma import mma_decode_attention
+from pnmix_patch.kernels.pack_keys import pack_keys
+from pnmix_patch.reference.quantize import channel_order, quantize_keys
+
+
+def check(name: str, device: torch.device) -> dict:
+    """The preset's CUDA key packing against the reference, and the Gluon kernel against the float32 reference."""
+    config = PRESETS[name]
+    num_high, group = config.num_high_channels(HEAD_DIM), config.key_group_size
+    keys = torch.randn(2, KV_HEADS, 4 * group, HEAD_DIM, dtype=torch.bfloat16)
+    mask = torch.rand(2, KV_HEADS, HEAD_DIM).argsort(-1) < num_high
+    bits = (config.key_bits_high, config.key_bits_low)
+    want = quantize_keys(keys, mask, num_high, group, *bits, True)
+    got = pack_keys(keys.to(device), channel_order(mask).to(device), num_high, group, *bits, True)
+    args = build_cache(config, 4, 4096, torch.bfloat16, device)
+    reference = decode_attention_reference(*args).float()
+    error = ((mma_decode_attention(*args).float() - reference).abs().max() / reference.abs().max()).item()
+    return dict(preset=name, pack_identical=all(torch.equal(g.cpu(), w) for g, w in zip(got, want)), relative_error=error)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", choices=sorted(PRESETS), default=["pnmix-2", "pnmix-1"])
+    parser.add_argument("--shapes", nargs="+", default=["32:16384", "32:32768", "32:65536", "8:32768"], help="batch:context")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args()
+    shapes = []
+    for shape in args.shapes:
+        batch, _, context = shape.partition(":")
+        if not (batch.isdigit() and context.isdigit() and int(batch) > 0 and int(context) > 0):
+            parser.error(f"--shapes takes batch:context with positive integers, got {shape!r}")
+        shapes.append((int(batch), int(context)))
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    write = report_writer(args.out, "bench_attention_presets.json", "benchmarks/bench_attention_presets.py")
+    checks = [check(name, device) for name in args.presets]
+    for row in checks:
+        print(f"{row['preset']}: CUDA packing identical {row['pack_identical']}, relative error {row['relative_error']:.2e}", flush=True)
+    timings = []
+    for batch, context in shapes:
+        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        cache = torch.randn(2, batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=torch.bfloat16)
+        sdpa = median_ms(lambda: F.scaled_dot_product_attention(query, cache[0], cache[1], enable_gqa=True))
+        del cache
+        for name in args.presets:
+            inputs = build_cache(PRESETS[name], batch, context, torch.bfloat16, device)
+            ms = median_ms(lambda: mma_decode_attention(*inputs))
+            del inputs
+            timings.append(dict(preset=name, batch=batch, context=context, us=ms * 1e3, sdpa_us=sdpa * 1e3, sdpa_ratio=sdpa / ms))
+            print(
+                f"batch {batch:3d} context {context:6d} {name:8s} {ms * 1e3:8.1f} us, SDPA {sdpa * 1e3:8.1f} us: {sdpa / ms:.2f}x",
+                flush=True,
+            )
+            write(False, checks=checks, timings=timings)
+    write(True, checks=checks, timings=timings)
+
+
+if __name__ == "__main__":
+    main()
