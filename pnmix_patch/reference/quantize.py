@@ -229,9 +229,9 @@ def thread_owned_keys(group_size: int, channels: int, planes: int) -> bool:
     "keys"): ``G`` a multiple of 64 and the channels whole 32-channel chunks, or a last partial chunk
     of a multiple of 4 channels whose planes all come in pairs (stored compacted,
     :func:`compact_key_fields`)."""
-    if group_size % 64 or planes == 0:
-        return group_size % 64 == 0
-    return channels % 32 == 0 or (planes % 2 == 0 and channels % 4 == 0)
+    if group_size % 64:
+        return False
+    return planes == 0 or channels % 32 == 0 or (planes % 2 == 0 and channels % 4 == 0)
 
 
 def key_word_distance(group_size: int, channels: int, planes: int) -> int:
