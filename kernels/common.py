@@ -113,6 +113,20 @@ def transpose_byte_quads(words):
     return tl.reshape(tl.sum(parts << (8 * byte)[None, :, None], 1), [N])
 
 
+@triton.jit
+def compacted_field_word(half, lane_row, lane_column, PART: tl.constexpr):
+    """Where the field word of lane (``lane_row``, ``lane_column``) of half ``half`` of a pair of slots
+    is stored when it lies in the last partial chunk (``PART`` channels) of a key codes tensor
+    (:func:`pnmix_patch.reference.quantize.compact_key_fields`): the pair's words of lanes that hold
+    channels are pooled, the first half's lane by lane then the second half's, and split over the
+    pair's two slots, ``PART`` words each. Returns the slot within the pair, the word's column after
+    the whole chunks, and whether the lane holds channels at all."""
+    LANES_FIRST: tl.constexpr = min(PART, 16) // 4
+    LANES_SECOND: tl.constexpr = (PART - min(PART, 16)) // 4
+    pool = tl.where(half == 0, lane_row * LANES_FIRST, 8 * LANES_FIRST + lane_row * LANES_SECOND) + lane_column
+    return pool // PART, pool % PART, lane_column < tl.where(half == 0, LANES_FIRST, LANES_SECOND)
+
+
 def key_word_distances(codes_high: torch.Tensor, codes_low: torch.Tensor) -> dict:
     """The constexprs ``HIGH_DISTANCE`` and ``LOW_DISTANCE`` of the kernels that write or read these
     key codes tensors ``[B, H, groups, b, G/32, C]``: each tensor's word order

@@ -59,6 +59,7 @@ from pnmix_patch.reference.attention import masked_attention
 from pnmix_patch.reference.quantize import dequantize_keys, dequantize_values
 
 from .common import (
+    compacted_field_word,
     key_word_distances,
     let_next_kernel_launch,
     multiprocessors,
@@ -132,14 +133,10 @@ def _key_bits(channel, C: tl.constexpr, token, DISTANCE: tl.constexpr, FIELD: tl
             slot = c // 16 % 2
             PART: tl.constexpr = C % 32
             if PART > 0:
-                # The partial chunk's words: its halves' lanes that hold channels (LANES_FIRST, LANES_SECOND
-                # lane columns), pooled first half then second, PART words of the pool in each slot.
-                LANES_FIRST: tl.constexpr = min(PART, 16) // 4
-                LANES_SECOND: tl.constexpr = (PART - min(PART, 16)) // 4
-                pool = tl.where(slot == 0, t % 8 * LANES_FIRST, 8 * LANES_FIRST + t % 8 * LANES_SECOND) + c // 4 % 4
+                part_slot, column, _ = compacted_field_word(slot, t % 8, c // 4 % 4, PART)
                 in_part = c >= C - PART
-                offset = tl.where(in_part, t // 16 * C + C - PART + pool % PART, offset)
-                slot = tl.where(in_part, pool // PART, slot)
+                offset = tl.where(in_part, t // 16 * C + C - PART + column, offset)
+                slot = tl.where(in_part, part_slot, slot)
             return offset + slot * PLANE, 8 * (c % 4) + 2 * (t // 8 % 2)
         return offset, 8 * (c % 4) + 2 * (c // 16 % 2) + t // 8 % 2
     in_run = c < 4 * (C // 4)

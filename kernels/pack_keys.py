@@ -38,7 +38,7 @@ import triton.language as tl
 
 from pnmix_patch.reference.quantize import quantize_keys, scale_dtype_for
 
-from .common import encode, key_word_distances, minmax_scale_zero, nonempty, transpose_byte_quads
+from .common import compacted_field_word, encode, key_word_distances, minmax_scale_zero, nonempty, transpose_byte_quads
 
 
 @triton.jit
@@ -191,16 +191,10 @@ def _pack_key_planes(
         field_position = byte_tile + (2 * ((offs_b // 8) % 2))[:, None]
         offs_r = tl.arange(0, PAIRS)
         # Where word 32 chunk + 4 lane row + lane column (offs_c) of slot p is stored: in place, but in a
-        # last partial chunk compacted (quantize.compact_key_fields): of its PART channels, lane
-        # columns LANES_FIRST / LANES_SECOND of its halves have words, pooled first half then second
-        # and split over the pair's two slots, PART words each.
+        # last partial chunk compacted (common.compacted_field_word).
         FULL: tl.constexpr = COUNT - COUNT % 32
         PART: tl.constexpr = COUNT % 32
-        LANES_FIRST: tl.constexpr = min(PART, 16) // 4
-        LANES_SECOND: tl.constexpr = (PART - min(PART, 16)) // 4
         in_part = (offs_c >= FULL) & (offs_c < FULL + 32)
-        lane_row = offs_c % 32 // 4
-        lane_column = offs_c % 4
         block_ptrs = keys_ptr + (group * G + offs_b)[:, None] * s_kt + (order * s_kd)[None, :]
         for block in range(G // (2 * DISTANCE)):
             x = tl.load(block_ptrs + block * 2 * DISTANCE * s_kt, mask=c_mask[None, :], other=0.0).to(tl.float32)
@@ -216,14 +210,9 @@ def _pack_key_planes(
                 word = tl.sum(tl.sum(tl.sum(tl.sum(bits, 7), 5), 2), 0)  # [tile pair, lane row, chunk, lane column]
                 word = tl.reshape(tl.permute(word, (0, 2, 1, 3)), [PAIRS, BLOCK_C])
                 if PART > 0:
-                    if p % 2 == 0:
-                        pool = lane_row * LANES_FIRST + lane_column
-                        exists = lane_column < LANES_FIRST
-                    else:
-                        pool = 8 * LANES_FIRST + lane_row * LANES_SECOND + lane_column
-                        exists = lane_column < LANES_SECOND
-                    slot = tl.where(in_part, p - p % 2 + pool // max(PART, 1), p)
-                    column = tl.where(in_part, FULL + pool % max(PART, 1), offs_c)
+                    part_slot, part_column, exists = compacted_field_word(p % 2, offs_c % 32 // 4, offs_c % 4, PART)
+                    slot = tl.where(in_part, p - p % 2 + part_slot, p)
+                    column = tl.where(in_part, FULL + part_column, offs_c)
                     stored = tl.where(in_part, exists, offs_c < FULL)
                 else:
                     slot = p
