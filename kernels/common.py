@@ -1,5 +1,6 @@
-"""Helpers shared by the kernels: the quantizer's arithmetic step for step, programmatic dependent
-launch, and the split-K launch and merge of the two decode-attention kernels.
+"""Helpers shared by the kernels: the quantizer's arithmetic step for step, where the key codes' words
+are stored, programmatic dependent launch, and the split-K launch and merge of the two
+decode-attention kernels.
 
 The pack kernels must produce the *bit-identical* codes, scales and zeros of
 :mod:`pnmix_patch.reference.quantize`, so these device functions repeat its float32 arithmetic
