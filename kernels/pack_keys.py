@@ -325,18 +325,26 @@ def triton_pack_keys(
     midpoint_correction: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the key quantizer; same arguments as :func:`pack_keys`, tensors on one device."""
-    batch, heads, tokens, head_dim = keys.shape
+    tokens = keys.shape[2]
     if group_size % 32 or tokens % group_size:
         raise ValueError(f"group_size={group_size} must be a multiple of 32 dividing tokens={tokens}")
-    groups = tokens // group_size
-    words = group_size // 32
-    codes_high = keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32)
-    codes_low = keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32)
-    scale = keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype))
-    zero = torch.empty_like(scale)
+    codes_high, codes_low, scale, zero = _empty_outputs(keys, num_high, group_size, bits_high, bits_low)
     if scale.numel():
         launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_correction)
     return codes_high, codes_low, scale, zero
+
+
+def _empty_outputs(keys, num_high, group_size, bits_high, bits_low):
+    """Uninitialized ``(codes_high, codes_low, scale, zero)`` of :func:`pack_keys` for ``keys`` (layout:
+    the module docstring)."""
+    batch, heads, tokens, head_dim = keys.shape
+    groups, words = tokens // group_size, group_size // 32
+    return (
+        keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32),
+        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
+        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
+    )
 
 
 def launch_pack_keys(keys, order, codes_high, codes_low, scale, zero, midpoint_correction) -> None:
@@ -395,11 +403,4 @@ def _pack_keys_cuda(keys, order, num_high, group_size, bits_high, bits_low, midp
 
 @pack_keys.register_fake
 def _pack_keys_fake(keys, order, num_high, group_size, bits_high, bits_low, midpoint_correction):
-    batch, heads, tokens, head_dim = keys.shape
-    groups, words = tokens // group_size, group_size // 32
-    return (
-        keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32),
-        keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32),
-        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
-        keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
-    )
+    return _empty_outputs(keys, num_high, group_size, bits_high, bits_low)
