@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from pnmix_patch import PNMixConfig, new_cache, patch_model
 from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference, triton_decode_attention
@@ -45,7 +44,6 @@ from common import (  # noqa: E402
     KV_HEADS,
     PNMIX2_FACTORS,
     PRESETS,
-    Q_HEADS,
     RESIDUAL,
     SINKS,
     build_cache,
@@ -55,6 +53,7 @@ from common import (  # noqa: E402
     median_ms,
     random_order,
     report_writer,
+    sdpa_ms_and_bytes,
 )
 
 
@@ -156,19 +155,6 @@ def time_shapes(device, bandwidth, shapes, reference_limit, after_shape=None) ->
         if after_shape is not None:
             after_shape(rows)
     return rows
-
-
-def sdpa_ms_and_bytes(device, batch: int, tokens: int) -> tuple[float, int]:
-    """Median ms of bf16 SDPA for one decode query over an uncompressed cache of ``tokens`` (GQA
-    without copies), and the bytes it must read."""
-    keys = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    values = torch.randn_like(keys)
-    query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
-    nbytes = 2 * keys.numel() * 2 + query.numel() * 2
-    del keys, values
-    torch.cuda.empty_cache()
-    return ms, nbytes
 
 
 def row(kind, name, batch, tokens, ms, nbytes, bandwidth) -> dict:
@@ -330,10 +316,7 @@ def sweep_registers(device) -> list[dict]:
 
     rows = []
     for batch, tokens in ((1, 4096), (1, 32768), (8, 16384), (32, 16384)):
-        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        kv = torch.randn(2, batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, kv[0], kv[1], enable_gqa=True))
-        del kv
+        sdpa_ms, _ = sdpa_ms_and_bytes(device, batch, tokens)
         rows.append({"batch": batch, "context": tokens, "kernel": "bf16 SDPA", "ms": sdpa_ms})
         print(f"  B={batch:2d} T={tokens:6d} SDPA {sdpa_ms * 1e3:8.1f} us", flush=True)
         for name, config in PRESETS.items():
@@ -450,10 +433,7 @@ def sweep_pnmix2_factors(device) -> list[dict]:
     """The op's time (bf16) for :data:`PNMIX2_FACTORS` beside bf16 SDPA at 32K tokens, batch 32, 8 and 1."""
     rows = []
     for batch, tokens in ((32, 32768), (8, 32768), (1, 32768)):
-        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        kv = torch.randn(2, batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(query, kv[0], kv[1], enable_gqa=True))
-        del kv
+        sdpa_ms, _ = sdpa_ms_and_bytes(device, batch, tokens)
         for name, config in PNMIX2_FACTORS.items():
             args = build_cache(config, batch, tokens, torch.bfloat16, device)
             ms = median_ms(lambda: decode_attention(*args))

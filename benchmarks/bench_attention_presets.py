@@ -19,8 +19,7 @@ import argparse
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from common import HEAD_DIM, KV_HEADS, Q_HEADS, build_cache, median_ms, report_writer
+from common import HEAD_DIM, KV_HEADS, build_cache, median_ms, report_writer, sdpa_ms_and_bytes
 
 from pnmix_patch.config import PRESETS
 from pnmix_patch.kernels.decode_attention import decode_attention_reference
@@ -64,10 +63,7 @@ def main() -> None:
         print(f"{row['preset']}: CUDA packing identical {row['pack_identical']}, relative error {row['relative_error']:.2e}", flush=True)
     timings = []
     for batch, context in shapes:
-        query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        cache = torch.randn(2, batch, KV_HEADS, context, HEAD_DIM, device=device, dtype=torch.bfloat16)
-        sdpa = median_ms(lambda: F.scaled_dot_product_attention(query, cache[0], cache[1], enable_gqa=True))
-        del cache
+        sdpa, _ = sdpa_ms_and_bytes(device, batch, context)
         for name in args.presets:
             inputs = build_cache(PRESETS[name], batch, context, torch.bfloat16, device)
             ms = median_ms(lambda: mma_decode_attention(*inputs))

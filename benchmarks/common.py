@@ -65,6 +65,19 @@ def median_ms(function) -> float:
         return do_bench(function, rep=200, return_mode="median")
 
 
+def sdpa_ms_and_bytes(device, batch: int, tokens: int) -> tuple[float, int]:
+    """Median ms of bf16 SDPA for one decode query over an uncompressed cache of ``tokens`` (GQA
+    without copies), and the bytes it must read."""
+    keys = torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    query = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+    ms = median_ms(lambda: F.scaled_dot_product_attention(query, keys, values, enable_gqa=True))
+    nbytes = 2 * keys.numel() * 2 + query.numel() * 2
+    del keys, values
+    torch.cuda.empty_cache()
+    return ms, nbytes
+
+
 def copy_bandwidth(device) -> float:
     """Bytes moved per second (read + write) by a 2 GiB device-to-device copy: median of 20 plain
     launches timed by CUDA events. Not by :func:`median_ms` (CUDA-graph replays): timed that way the
