@@ -1,7 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
-        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed] [--gemv]
+        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed [--paths graphed]] [--gemv]
     python benchmarks/bench_decode.py --model qwen3-8b --interleaved [--paths reduce-overhead graphed] ...
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
@@ -22,7 +22,7 @@
    - with ``--graphed``: ``bf16-graphed-fair`` and ``pnmix-graphed``, the same two caches and
      attentions as the fair bf16 and PN-Mix compiled variants, compiled without CUDA graphs and
      replayed by :class:`pnmix_patch.GraphedDecodeStep` (one captured graph, no guards or input
-     gathering per call).
+     gathering per call); ``--graphed --paths graphed`` times (and profiles) these rows only.
 
    Caches are brought to the context length synthetically (a 64-token prefill, then
    random keys/values or random codes and the lengths set on the device): decode time
@@ -411,10 +411,13 @@ def time_model(
     profile=False,
     graphed=False,
     gemv=False,
+    paths=PATHS,
     timed_so_far=lambda rows: None,
 ) -> list[dict]:
-    """Every variant's rows for ``model_name``, one after the other (module docstring); ``timed_so_far(rows)``
-    is called after each row is timed (and each is profiled), with the rows so far."""
+    """Every variant's rows for ``model_name``, one after the other (module docstring); the
+    ``reduce-overhead`` compiled rows only where ``paths`` has that path. ``timed_so_far(rows)`` is called
+    after each row is timed (and each is profiled), with the rows so far."""
+    reduce_overhead = "reduce-overhead" in paths
     model, weight_bytes = random_model(model_name, device, gemv)
     name = cache_arg(model)
     rows, inductor = [], {}
@@ -428,7 +431,8 @@ def time_model(
         turn; a row's storage is freed when the next is asked for, once the caller has dropped its
         references. ``profiling``: the compiled rows only, the inductor counters left as timed."""
         # bf16, transformers StaticCache: stock and fair attention, one compile per static size.
-        variants = (("bf16-compiled-fair", "sdpa_gqa"),) + (() if compiled_only else (("bf16-compiled-stock", "sdpa"),))
+        variants = (("bf16-compiled-fair", "sdpa_gqa"),) if reduce_overhead else ()
+        variants += (("bf16-compiled-stock", "sdpa"),) if reduce_overhead and not compiled_only else ()
         variants += (("bf16-graphed-fair", "sdpa_gqa"),) if graphed else ()
         for variant, attention in variants:
             model.set_attn_implementation(attention)
@@ -452,9 +456,10 @@ def time_model(
         patch_model(model, "pnmix-1")
         static = new_cache(model, max(contexts) + WARMUP + STEPS + PROMPT, static=True)
         prefill(model, static, name)
-        forward = compiled_forward()
+        forward = compiled_forward() if reduce_overhead else None
         counters.clear()
-        for variant in ("pnmix-compiled", "pnmix-graphed") if graphed else ("pnmix-compiled",):
+        pnmix_variants = (("pnmix-compiled",) if reduce_overhead else ()) + (("pnmix-graphed",) if graphed else ())
+        for variant in pnmix_variants:
             if variant == "pnmix-graphed":
                 forward = graphed_forward(model, static)
             for context in contexts:
@@ -701,7 +706,13 @@ def main() -> None:
         default=None,
         help=f"with --interleaved: steps run but not timed at the start of each turn (default {UNTIMED_PER_TURN}, 0 with --turn 1)",
     )
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS), help="with --interleaved; default: both")
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=list(PATHS),
+        help="the compiled paths timed (default: both); without --interleaved, graphed rows need --graphed",
+    )
     parser.add_argument(
         "--gemv",
         action="store_true",
@@ -724,6 +735,8 @@ def main() -> None:
         parser.error(f"--contexts {args.contexts}: allowed lengths above the {PROMPT}-token prefill")
     if args.interleaved and (args.profile or args.graphed or args.compiled_only):
         parser.error("--interleaved times its own rows (--paths): allowed without --profile, --graphed and --compiled-only")
+    if not args.interleaved and args.paths == ["graphed"] and not args.graphed:
+        parser.error("--paths graphed without --interleaved: allowed only with --graphed (it adds the graphed rows)")
     if args.pdl_ab and (not args.interleaved or args.paths != ["graphed"]):
         parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
     if args.rotation_ab and not args.interleaved:
@@ -780,7 +793,16 @@ def main() -> None:
             )
         else:
             rows += time_model(
-                model_name, device, bandwidth, tuple(args.contexts), args.compiled_only, args.profile, args.graphed, args.gemv, timed_so_far
+                model_name,
+                device,
+                bandwidth,
+                tuple(args.contexts),
+                args.compiled_only,
+                args.profile,
+                args.graphed,
+                args.gemv,
+                tuple(args.paths),
+                timed_so_far,
             )
     write(complete=True, timings=rows, **sections)
 
