@@ -16,7 +16,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."                          # task data paths are relative to the repository root
 
 MODEL=${MODEL:-smollm2}                          # smollm2, a .gguf file, a model folder, or a hub id
-PRESET=${PRESET:-pnmix-1}                        # pnmix-1, pnmix-2, kivi-2, fp16
+PRESET=${PRESET:-pnmix-1}                        # a name of pnmix_patch.PRESETS: pnmix-1, kitty, fp16, ...
 TASKS=${TASKS:-gsm8k_local_tiny}
 INCLUDE=${INCLUDE:-pnmix_patch/eval/tasks}
 OUTPUT=${OUTPUT:-results/lm_eval}

@@ -1,7 +1,7 @@
 """pnmix-patch: PN-Mix KV-cache quantization for Hugging Face transformers.
 
 One line, ``patch_model(model)``, rewrites the attention of Llama, Mistral, Qwen2
-and Qwen3 models so that their KV cache holds keys at ~2.26 bits (pair-norm guided
+and Qwen3 models so that their KV cache holds keys at ~2.25 bits (pair-norm guided
 mixed precision) and values at 2 bits. See ``README.md`` and ``docs/method.md``.
 """
 

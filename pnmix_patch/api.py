@@ -204,8 +204,9 @@ def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix
     Args:
         model: a transformers Llama, Mistral, Qwen2 or Qwen3 model (``*ForCausalLM`` or
             the bare decoder).
-        pnmix_config: a :class:`~pnmix_patch.PNMixConfig` or a preset name
-            (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"fp16"``).
+        pnmix_config: a :class:`~pnmix_patch.PNMixConfig` or the name of one of
+            :data:`~pnmix_patch.PRESETS` (``"pnmix-1"``, ``"pnmix-2"``, ``"kivi-2"``, ``"kitty"``,
+            ``"polarquant"``, ``"polarquant-3"``, ``"chanmix"``, ``"fp16"``).
 
     Returns:
         The same model. Patching again only changes the config. The model deep-copies

@@ -314,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         "--methods",
         nargs="+",
         default=None,
-        help="method sets (presets, criteria, ablations, sweep) or method names; default: all sets",
+        help="method sets (presets, baselines, criteria, ablations, sweep, hf-quantized) or method names; "
+        "default: presets criteria ablations sweep",
     )
     eval_parser.add_argument("--context", type=int, default=2048, help="attention KL: tokens prefilled (default 2048)")
     eval_parser.add_argument("--queries", type=int, default=64, help="attention KL: decode queries after the context (default 64)")

@@ -5,7 +5,7 @@ The presets (``docs/method.md``, "Presets"):
 ============  =====  ====  ===  ===  ===  ====  ====  =========
 preset        r      G     b_H  b_L  b_V  N_s   N     key bits
 ============  =====  ====  ===  ===  ===  ====  ====  =========
-``pnmix-1``   0.50   128   3    1    2    32    128   ~2.26
+``pnmix-1``   0.50   128   3    1    2    32    128   ~2.25
 ``pnmix-2``   0.40   64    3    1    2    32    128   ~2.31
 ``kivi-2``    1.00   128   2    -    2    32    128   2.25
 ``kitty``     0.25   128   4    2    2    32    128   ~2.76 (25% of *channels*, per group)
@@ -290,6 +290,7 @@ PRESETS: dict[str, PNMixConfig] = {
     "chanmix": PNMixConfig(key_format="channel_classes", midpoint_correction=False, name="chanmix"),
     "fp16": PNMixConfig(quantize=False, name="fp16"),
 }
+"""The named configs that ``patch_model``, ``new_cache``, ``pnmix eval`` and the lm-eval model take by name."""
 
 
 def resolve_config(pnmix_config: PNMixConfig | str) -> PNMixConfig:

@@ -104,7 +104,7 @@ class PNMixLM(HFLM):
     Args:
         pretrained: ``"smollm2"``, a ``.gguf`` file, a local folder, a hub id, or a built
             ``PreTrainedModel`` (then ``tokenizer`` is required).
-        preset: PN-Mix preset (``pnmix-1``, ``pnmix-2``, ``kivi-2``, ``fp16``) or a
+        preset: the name of a preset (``pnmix_patch.PRESETS``: ``pnmix-1``, ``kitty``, ``fp16``, ...) or a
             ``PNMixConfig``. ``None`` keeps an already patched model's config (and patches
             an unpatched one with ``pnmix-1``).
         tokenizer: a tokenizer object or name; by default the model's own.
