@@ -27,13 +27,12 @@ The same through ``generate`` (its compiled path):
 """
 
 import argparse
-import inspect
 import time
 from types import SimpleNamespace
 
 import torch
 
-from pnmix_patch import GraphedDecodeStep, new_cache, patch_gemv, patch_model
+from pnmix_patch import GraphedDecodeStep, cache_argument, new_cache, patch_gemv, patch_model
 from pnmix_patch.eval.models import load_model
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,7 +53,7 @@ model, tokenizer = load_model(args.model, dtype=dtype, device=device)
 patch_model(model, args.preset)
 if args.gemv:
     patch_gemv(model)
-cache_argument = "cache" if "cache" in inspect.signature(model.model.forward).parameters else "past_key_values"
+cache_name = cache_argument(model)
 
 messages = [{"role": "user", "content": "Prove that the square root of 2 is irrational, step by step."}]
 prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -76,16 +75,16 @@ def synchronize():
 
 
 with torch.no_grad():
-    token = model(input_ids=prompt, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
+    token = model(input_ids=prompt, **{cache_name: cache}).logits[:, -1:].argmax(-1)
     tokens = [token]
     for _ in range(3):  # compile and record the graph outside the timed loop
-        token = decode_step(input_ids=token, **{cache_argument: cache}).logits[:, -1:].argmax(-1)
+        token = decode_step(input_ids=token, **{cache_name: cache}).logits[:, -1:].argmax(-1)
         tokens.append(token)
     synchronize()
     started = time.perf_counter()
     for _ in range(args.tokens - len(tokens)):
         # clone: the next replay reuses the graph's output memory
-        token = decode_step(input_ids=token, **{cache_argument: cache}).logits[:, -1:].argmax(-1).clone()
+        token = decode_step(input_ids=token, **{cache_name: cache}).logits[:, -1:].argmax(-1).clone()
         tokens.append(token)
     synchronize()
     elapsed = time.perf_counter() - started

@@ -214,10 +214,11 @@ def patch_model(model: torch.nn.Module, pnmix_config: PNMixConfig | str = "pnmix
         ``pnmix_patch`` imports. ``state_dict`` and ``save_pretrained`` are unaffected.
 
     Raises:
-        ValueError: unsupported architecture or configuration (sliding windows); a module to patch
-            with a ``forward`` set on the instance (other than accelerate's hooks, which keep running,
-            see :func:`~pnmix_patch.mixins.set_classes`).
-        TypeError: ``model`` is not a transformers model.
+        ValueError: unsupported architecture or configuration (sliding windows); a head dim that is
+            odd, or not a multiple of 32 for a quantizing config; a module to patch with a ``forward``
+            set on the instance (other than accelerate's hooks, which keep running, see
+            :func:`~pnmix_patch.mixins.set_classes`).
+        TypeError: ``model`` is not a transformers model; its dtype is not float16, bfloat16 or float32.
 
     A patched model refuses ``output_attentions=True`` (PN-Mix attention never forms the weights).
     """
@@ -302,6 +303,9 @@ def new_cache(model: torch.nn.Module, max_cache_len: int | None = None, static: 
         static: a :class:`~pnmix_patch.static_cache.PNMixStaticCache` (preallocated,
             compileable with ``torch.compile(fullgraph=True)`` and CUDA graphs) instead
             of the growing :class:`~pnmix_patch.cache.PNMixCache`.
+
+    Raises:
+        ValueError: ``model`` is not patched; ``max_cache_len`` missing or below 1 for a static cache.
     """
     state = patch_state(model)
     if state is None:

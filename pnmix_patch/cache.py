@@ -256,6 +256,7 @@ class PNMixLayer(CacheLayerMixin):
 
     @property
     def group_capacity(self) -> int:
+        """Key groups the packed tensors have room for (they grow when a flush needs more)."""
         return self.key_scale.shape[2]
 
     # ---------------------------------------------------------------- attend
@@ -348,6 +349,7 @@ class PNMixLayer(CacheLayerMixin):
 
     @property
     def residual_capacity(self) -> int:
+        """Tokens the full-precision residual buffer holds before a flush (-1 where nothing is quantized)."""
         return self.residual_keys.shape[2] if self.pnmix_config.quantize else -1
 
     def _select_pairs(self, query, key, valid, incoming, all_real: bool = False) -> None:

@@ -140,6 +140,7 @@ class CacheFileInfo:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The dtype of the model the cache was saved from (its sinks' and residual's dtype)."""
         return DTYPES[self.model["dtype"]]
 
 
