@@ -60,7 +60,10 @@ the CUDA kernels of a few replayed steps (``torch.profiler``), µs per step for 
 grouped into attention (SDPA / PN-Mix ops and the cache update), matrix multiplies and
 the rest. The profiles run after every row is timed, on the rows set up again: once the
 profiler has traced CUDA activity, replaying a CUDA graph captured before it costs more host time,
-so timing after a profile would be biased.
+so timing after a profile would be biased. Where the kernels launch with programmatic dependent
+launch (the graphed rows on compute capability 9.0 and up), a kernel starts before the one ahead of
+it ends and its time includes that wait: the kernels' times overlap, and their sum ("GPU busy")
+exceeds the step's time.
 
 Writes ``bench_decode_{models}[_{tag}].json`` under ``--out`` (default ``benchmarks/results``) after every timed row
 (every context with ``--interleaved``), with ``"complete": false`` until the last: a run cut short keeps what it timed.
