@@ -46,6 +46,8 @@ parser.add_argument("--no-pdl", action="store_true", help="with --graphed: no pr
 args = parser.parse_args()
 if args.no_pdl and not args.graphed:
     parser.error("--no-pdl: allowed only with --graphed")
+if args.tokens < 5:
+    parser.error(f"--tokens {args.tokens}: allowed 5 or more (the first 4 are generated before the timed loop)")
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = getattr(torch, args.dtype or ("bfloat16" if device == "cuda" else "float32"))
