@@ -149,7 +149,7 @@ class PNMixLayer(CacheLayerMixin):
         self.residual_keys = floats(batch, heads, residual_capacity, head_dim)
         self.residual_values = floats(batch, heads, residual_capacity, head_dim)
         self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
-        for name, (bits, channels) in zip(self.key_code_names, self._key_code_widths(head_dim)):
+        for name, (bits, channels) in zip(self.key_code_names, pnmix_config.key_code_widths(head_dim)):
             setattr(self, name, ints(batch, heads, 0, bits, words, channels))
         if pnmix_config.key_format == "channel_classes":
             self.channel_class_bits = ints(batch, heads, 2, -(-head_dim // 32))
@@ -170,15 +170,6 @@ class PNMixLayer(CacheLayerMixin):
         self.query_norm_sum = torch.zeros(batch, heads, head_dim // 2 if tracks_queries else 0, device=self.device)
         self.query_count = ints(batch)
         self.is_initialized = True
-
-    def _key_code_widths(self, head_dim: int) -> list[tuple[int, int]]:
-        """(planes, channels) of every packed key code tensor (:data:`KEY_CODE_FIELDS`) at ``head_dim``."""
-        pnmix_config = self.pnmix_config
-        if pnmix_config.key_format == "polar":
-            return [(pnmix_config.radius_bits, head_dim // 2), (pnmix_config.angle_bits, head_dim // 2)]
-        if pnmix_config.key_format == "channel_classes":
-            return list(zip(pnmix_config.class_bits, pnmix_config.class_counts(head_dim)))
-        return [(pnmix_config.key_bits_high - pnmix_config.key_bits_low, self.num_high), (pnmix_config.key_bits_low, head_dim)]
 
     @property
     def state_names(self) -> tuple[str, ...]:

@@ -82,7 +82,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from .api import _decoder_of, _layer_devices, new_cache, patch_state
-from .cache import _STATE, PNMixCache
+from .cache import _STATE, KEY_CODE_FIELDS, PNMixCache
 from .config import PNMixConfig
 from .reference.quantize import channel_order, scale_dtype_for
 from .static_cache import PNMixStaticCache, PNMixStaticLayer
@@ -566,7 +566,6 @@ def _expected_shapes(reader, index: int, info: CacheFileInfo, path) -> dict[str,
         shapes[field] = (tuple(piece.get_shape()), _SAFETENSORS_DTYPES.get(piece.get_dtype()))
     groups = shapes["key_scale"][0][2] if len(shapes["key_scale"][0]) == 4 else -1
     residual = shapes["residual_keys"][0][2] if len(shapes["residual_keys"][0]) == 4 else -1
-    num_high = config.num_high_channels(head_dim) if config.quantize else head_dim
     scale = scale_dtype_for(dtype)
     units = head_dim if config.selection_unit == "channel" else head_dim // 2
     tracks_queries = config.reselection == "per_group" and config.selection == "qk_pair_norm"
@@ -580,8 +579,10 @@ def _expected_shapes(reader, index: int, info: CacheFileInfo, path) -> dict[str,
         "residual_keys": ((batch, heads, residual if not config.quantize else config.residual_tokens, head_dim), dtype),
         "residual_values": ((batch, heads, residual if not config.quantize else config.residual_tokens, head_dim), dtype),
         "residual_len": ((batch,), torch.int32),
-        "key_codes_high": ((batch, heads, groups, config.key_bits_high - config.key_bits_low, words, num_high), torch.int32),
-        "key_codes_low": ((batch, heads, groups, config.key_bits_low, words, head_dim), torch.int32),
+        **{
+            name: ((batch, heads, groups, planes, words, channels), torch.int32)
+            for name, (planes, channels) in zip(KEY_CODE_FIELDS["channel"], config.key_code_widths(head_dim))
+        },
         "key_scale": ((batch, heads, groups, head_dim), scale),
         "key_zero": ((batch, heads, groups, head_dim), scale),
         "value_codes": ((batch, heads, groups * config.key_group_size, config.value_bits, head_dim // 32), torch.int32),

@@ -255,6 +255,29 @@ def test_num_high_channels_pairs_or_single_channels(changes, head_dim, expected)
     assert PNMixConfig(**changes).num_high_channels(head_dim) == expected
 
 
+@pytest.mark.parametrize(
+    "preset, head_dim, expected",
+    [
+        ("pnmix-1", 128, [(2, 64), (1, 128)]),  # 32 of 64 pairs: 64 channels with planes 1-2 above plane 0
+        ("pnmix-2", 128, [(2, 52), (1, 128)]),  # 26 of 64 pairs
+        ("pnmix-2", 64, [(2, 26), (1, 64)]),
+        ("kivi-2", 128, [(0, 128), (2, 128)]),  # every channel at 2 bits: no planes above the low ones
+        ("kitty", 64, [(2, 16), (2, 64)]),  # 16 single channels at 4 bits over 2
+        ("fp16", 128, [(2, 128), (1, 128)]),  # nothing quantized: the tensors stay empty, every channel "selected"
+        ("polarquant", 128, [(4, 64), (4, 64)]),  # radius and angle per pair
+    ],
+)
+def test_key_code_widths(preset, head_dim, expected):
+    assert PRESETS[preset].key_code_widths(head_dim) == expected
+
+
+def test_key_code_widths_of_channel_classes_cover_every_channel():
+    config = PRESETS["chanmix"]
+    widths = config.key_code_widths(128)
+    assert [planes for planes, _ in widths] == list(config.class_bits)
+    assert sum(channels for _, channels in widths) == 128
+
+
 def test_nominal_key_bits_kitty():
     # 16 of 64 channels at 4 bits, 48 at 2 bits, fp16 scale+zero per 128 tokens: 2.5 + 0.25
     assert PRESETS["kitty"].nominal_key_bits(64) == pytest.approx(2.75, abs=1e-12)
