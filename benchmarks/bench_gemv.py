@@ -9,7 +9,7 @@ product timed as ``patch_gemv`` runs it and as an unpatched model runs it (``F.l
 - ``o``, ``down`` and ``lm_head``: ``pnmix::gemv`` vs ``F.linear``;
 - ``gate/up + SiLU``: ``pnmix::gemv_swiglu`` (one launch) vs two ``F.linear`` calls and ``silu * up``.
 
-Each result is first checked against the float32 product (relative error). Times are medians of
+Each path's result is also compared with the float32 product (relative error, in the report). Times are medians of
 CUDA-graph replays (several launches in one graph time as they run inside a captured step); GB/s
 counts the weights' bytes, and the fraction is of the copy bandwidth measured in the same run.
 Writes ``bench_gemv.json`` under ``--out`` (default ``benchmarks/results``).
