@@ -119,6 +119,13 @@ class PNMixLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------- set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the layer's tensors for the first chunk's batch, heads and head dim (empty code
+        tensors that grow by groups), after checking its dtype and head dim.
+
+        Raises:
+            TypeError: the keys are not float16, bfloat16 or float32.
+            ValueError: an odd head dim, or a quantizing config with a head dim that is not a multiple of 32.
+        """
         batch, heads, _, head_dim = key_states.shape
         if not key_states.is_floating_point() or key_states.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"PN-Mix caches float16, bfloat16 or float32 keys, got {key_states.dtype}")
@@ -129,7 +136,7 @@ class PNMixLayer(CacheLayerMixin):
             raise ValueError(f"head_dim={head_dim} cannot be bit-packed: allowed a multiple of 32")
         self.batch_size, self.num_heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.num_high = pnmix_config.num_high_channels(head_dim) if pnmix_config.quantize else head_dim
+        self.num_high = pnmix_config.selected_channels(head_dim)
         self.value_group = pnmix_config.value_group(head_dim) if pnmix_config.quantize else head_dim
         residual_capacity = pnmix_config.residual_tokens if pnmix_config.quantize else 0
 
@@ -190,15 +197,19 @@ class PNMixLayer(CacheLayerMixin):
         )
 
     def get_seq_length(self) -> int:
+        """Positions consumed, padding included."""
         return self.seen_tokens
 
     def get_max_length(self) -> int:
+        """``max_cache_len``, or -1 for a cache without one."""
         return -1 if self.max_cache_len is None else self.max_cache_len
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        """``(cached + new positions, 0)``: the mask spans what the chunk attends to."""
         return self.seen_tokens + query_length, 0
 
     def reset(self) -> None:
+        """Drop every tensor: the next chunk allocates again."""
         self.seen_tokens = 0
         self.is_initialized = False
         for name in _ALL_STATE:
@@ -206,15 +217,18 @@ class PNMixLayer(CacheLayerMixin):
                 delattr(self, name)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search's reordering: :meth:`batch_select_indices`."""
         self.batch_select_indices(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at ``indices`` (in that order, repeats allowed): the batch may change size."""
         if self.is_initialized:
             for name in self.state_names:
                 setattr(self, name, getattr(self, name).index_select(0, indices.to(self.device)))
             self.batch_size = self.sink_len.shape[0]
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat each sequence ``repeats`` times in place (``generate``'s expansion for several returns)."""
         if self.is_initialized:
             self.batch_select_indices(torch.arange(self.batch_size, device=self.device).repeat_interleave(repeats))
 

@@ -244,6 +244,11 @@ class PNMixConfig:
             return int(round(self.pair_ratio * head_dim))
         return 2 * self.num_selected_pairs(head_dim)
 
+    def selected_channels(self, head_dim: int) -> int:
+        """Channels per head whose codes have the high planes: :meth:`num_high_channels`, or every
+        channel for a config that does not quantize (its keys are all kept at full precision)."""
+        return self.num_high_channels(head_dim) if self.quantize else head_dim
+
     def key_code_widths(self, head_dim: int) -> list[tuple[int, int]]:
         """``(planes, channels)`` of each packed key code tensor of :attr:`key_format` at ``head_dim``, in
         the cache's order (``pnmix_patch.cache.KEY_CODE_FIELDS``): per-channel codes as the selected
@@ -254,8 +259,7 @@ class PNMixConfig:
             return [(self.radius_bits, head_dim // 2), (self.angle_bits, head_dim // 2)]
         if self.key_format == "channel_classes":
             return list(zip(self.class_bits, self.class_counts(head_dim)))
-        selected = self.num_high_channels(head_dim) if self.quantize else head_dim
-        return [(self.key_bits_high - self.key_bits_low, selected), (self.key_bits_low, head_dim)]
+        return [(self.key_bits_high - self.key_bits_low, self.selected_channels(head_dim)), (self.key_bits_low, head_dim)]
 
     def value_group(self, head_dim: int) -> int:
         """Channels per value group for this head dim (the group size, clamped to the head dim)."""

@@ -175,6 +175,9 @@ class PNMixStaticLayer(PNMixLayer):
 
     # ----------------------------------------------------------------- set-up
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate every tensor for ``max_cache_len`` positions at once (the dynamic layer's, with room
+        for all its groups, plus the decode kernels' order, overflow and arrival tensors), joined to the
+        layer stack if the cache shares one, with addresses a compiled graph can keep."""
         super().lazy_initialization(key_states, value_states)
         pnmix_config = self.pnmix_config
         after_sinks = max(0, self.max_cache_len - pnmix_config.sink_tokens)
@@ -228,6 +231,7 @@ class PNMixStaticLayer(PNMixLayer):
         return self._state("cumulative_length") if self.is_initialized else 0
 
     def get_mask_sizes(self, query_length: int, *args) -> tuple[int, int]:
+        """``(max_cache_len, 0)``: the mask spans the whole static length."""
         return self.max_cache_len, 0  # fixed, so the mask never changes shape
 
     def reset(self) -> None:
@@ -240,6 +244,11 @@ class PNMixStaticLayer(PNMixLayer):
         self.all_selected = False
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the sequences at ``indices`` in place (as many as the batch: the storage keeps its shape).
+
+        Raises:
+            ValueError: ``indices`` does not hold one entry per sequence of the batch.
+        """
         if self.is_initialized:
             indices = indices.to(self.device)
             if indices.shape[0] != self.batch_size:
@@ -248,17 +257,27 @@ class PNMixStaticLayer(PNMixLayer):
                 tensor.copy_(tensor.index_select(0, indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        """Accepted only as a no-op (``repeats=1``): a static cache cannot change its batch size.
+
+        Raises:
+            ValueError: ``repeats`` is not 1 on an allocated cache.
+        """
         if self.is_initialized and repeats != 1:
             raise ValueError(f"a static PN-Mix cache keeps its batch size {self.batch_size}; cannot repeat it {repeats} times")
 
     # ---------------------------------------------------------------- attend
     def chunk_validity(self, attention_mask: torch.Tensor | None, batch: int, chunk: int, device) -> torch.Tensor | None:
+        """Which of a chunk's tokens are real, read from its columns of the static-length mask; None for a
+        decode token (always real: no host read of the position)."""
         if self.prefilled and chunk == 1:
             return None  # a decode token is real; reading the mask would need the position on the host
         # The mask spans max_cache_len columns; the chunk's are at its positions.
         return chunk_validity(attention_mask, batch, chunk, device, start=self.seen_tokens)
 
     def attend(self, query, key, value, valid, scaling):
+        """A decode step through the custom ops (append, then attention on the packed storage); a prompt
+        chunk through the dynamic layer's code, whose results are copied back into the static storage
+        (an emptied cache meeting a new batch size allocates again first)."""
         if self.decodes(key.shape[2]):
             self._check_room()
             return self._decode_step(query, key, value, scaling)
@@ -340,6 +359,8 @@ class PNMixStaticLayer(PNMixLayer):
         return output.unsqueeze(2)
 
     def memory_bytes(self) -> dict[str, int]:
+        """The dynamic layer's parts, plus the static layer's channel order (with the masks) and its
+        overflow, arrival and length tensors (with the lengths)."""
         parts = super().memory_bytes()
         if self.is_initialized:
 

@@ -255,6 +255,11 @@ def test_num_high_channels_pairs_or_single_channels(changes, head_dim, expected)
     assert PNMixConfig(**changes).num_high_channels(head_dim) == expected
 
 
+@pytest.mark.parametrize("preset, head_dim, expected", [("pnmix-1", 128, 64), ("pnmix-2", 64, 26), ("kivi-2", 128, 128), ("fp16", 64, 64)])
+def test_selected_channels_are_every_channel_without_quantization(preset, head_dim, expected):
+    assert PRESETS[preset].selected_channels(head_dim) == expected
+
+
 @pytest.mark.parametrize(
     "preset, head_dim, expected",
     [
