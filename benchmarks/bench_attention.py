@@ -36,7 +36,7 @@ from pnmix_patch import PNMixConfig, new_cache, patch_model
 from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference, triton_decode_attention
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.reference.quantize import quantize_keys, quantize_values
+from pnmix_patch.reference.quantize import quantize_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -50,6 +50,8 @@ from common import (  # noqa: E402
     check_decode_append,
     code_commit,
     copy_bandwidth,
+    identical,
+    key_packing_matches,
     median_ms,
     random_order,
     report_writer,
@@ -59,10 +61,6 @@ from common import (  # noqa: E402
 
 def bytes_read(args) -> int:
     return sum(t.numel() * t.element_size() for t in args if isinstance(t, torch.Tensor))
-
-
-def identical(a, b) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
 def check_correctness(device) -> dict:
@@ -75,11 +73,8 @@ def check_correctness(device) -> dict:
             keys[0, 0, 5, 3] = float("inf")
             keys[1, 2, :, 7] = 0.5
             order = random_order(3, num_high, device, heads=4)
-            mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
-            got = pack_keys(keys, order, num_high, group, config.key_bits_high, config.key_bits_low, True)
-            want = quantize_keys(keys, mask, num_high, group, config.key_bits_high, config.key_bits_low, True)
             values = torch.randn(3, 4, 200, HEAD_DIM, device=device).to(dtype)
-            exact = all(identical(g, w) for g, w in zip(got, want)) and all(
+            exact = key_packing_matches(config, keys, order) and all(
                 identical(g, w)
                 for g, w in zip(pack_values(values, 2, HEAD_DIM, True, group), quantize_values(values, 2, HEAD_DIM, True, group))
             )

@@ -30,7 +30,7 @@ from pnmix_patch import GraphedDecodeStep, PNMixConfig
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.reference.quantize import channel_order
+from pnmix_patch.reference.quantize import channel_order, quantize_keys
 
 # ---------------------------------------------------------------------------- timing and reports
 PRESETS = {
@@ -101,6 +101,23 @@ def copy_bandwidth(device) -> float:
 def random_order(batch, num_high, device, heads=KV_HEADS):
     mask = torch.rand(batch, heads, HEAD_DIM, device=device).argsort(-1) < num_high
     return channel_order(mask)
+
+
+def identical(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and elements (NaNs compared equal)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
+def key_packing_matches(config: PNMixConfig, keys: torch.Tensor, order: torch.Tensor) -> bool:
+    """Whether the key packer (``pack_keys``) writes exactly the PyTorch reference's words, scales and
+    zeros (``quantize_keys``, on the same device) for ``config`` and the channel ``order`` (selected
+    channels first)."""
+    num_high = config.num_high_channels(HEAD_DIM)
+    bits = (config.key_bits_high, config.key_bits_low)
+    mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
+    got = pack_keys(keys, order, num_high, config.key_group_size, *bits, True)
+    want = quantize_keys(keys, mask, num_high, config.key_group_size, *bits, True)
+    return all(identical(g, w) for g, w in zip(got, want))
 
 
 def build_cache(config: PNMixConfig, batch: int, tokens: int, dtype, device, ragged=False):
