@@ -416,10 +416,12 @@ def time_model(
     gemv=False,
     paths=PATHS,
     timed_so_far=lambda rows: None,
+    pdl=True,
 ) -> list[dict]:
     """Every variant's rows for ``model_name``, one after the other (module docstring); the
     ``reduce-overhead`` compiled rows only where ``paths`` has that path. ``timed_so_far(rows)`` is called
-    after each row is timed (and each is profiled), with the rows so far."""
+    after each row is timed (and each is profiled), with the rows so far. ``pdl``: False captures the
+    graphed rows without programmatic dependent launch (``GraphedDecodeStep(..., pdl=False)``)."""
     reduce_overhead = "reduce-overhead" in paths
     model, weight_bytes = random_model(model_name, device, gemv)
     name = cache_arg(model)
@@ -443,7 +445,7 @@ def time_model(
                 cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
                 prefill(model, cache, name)
                 cache_bytes = fill_bf16(cache, context)
-                forward = graphed_forward(model, cache) if "graphed" in variant else compiled_forward()
+                forward = graphed_forward(model, cache, pdl=None if pdl else False) if "graphed" in variant else compiled_forward()
                 yield variant, context, forward, cache, cache_bytes
                 del cache, forward
                 torch.cuda.empty_cache()
@@ -464,7 +466,7 @@ def time_model(
         pnmix_variants = (("pnmix-compiled",) if reduce_overhead else ()) + (("pnmix-graphed",) if graphed else ())
         for variant in pnmix_variants:
             if variant == "pnmix-graphed":
-                forward = graphed_forward(model, static)
+                forward = graphed_forward(model, static, pdl=None if pdl else False)
             for context in contexts:
                 static.reset()
                 prefill(model, static, name)
@@ -693,6 +695,11 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true", help="only bf16-compiled-fair and pnmix-compiled")
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of the compiled steps")
     parser.add_argument(
+        "--no-pdl",
+        action="store_true",
+        help="without --interleaved: the graphed rows captured without PDL (a --profile whose kernel times do not overlap)",
+    )
+    parser.add_argument(
         "--graphed",
         action="store_true",
         help="also bf16-graphed-fair and pnmix-graphed: the same compiled steps replayed by GraphedDecodeStep",
@@ -742,6 +749,8 @@ def main() -> None:
         parser.error("--paths graphed without --interleaved: allowed only with --graphed (it adds the graphed rows)")
     if args.pdl_ab and (not args.interleaved or args.paths != ["graphed"]):
         parser.error("--pdl-ab: allowed only with --interleaved --paths graphed")
+    if args.no_pdl and (args.interleaved or not args.graphed):
+        parser.error("--no-pdl: allowed only with --graphed and without --interleaved (there: --pdl-ab)")
     if args.rotation_ab and not args.interleaved:
         parser.error("--rotation-ab: allowed only with --interleaved")
     if args.batch < 1 or args.batch != 1 and not args.interleaved:
@@ -771,6 +780,7 @@ def main() -> None:
         "library_pdl_default": kernels_common.PDL,
         "inductor_pdl_default": getattr(torch._inductor.config.triton, "enable_pdl", None),
         "graphed_pdl_default": kernels_common.has_pdl(device.index or 0),  # GraphedDecodeStep's (graphed rows)
+        "graphed_pdl": kernels_common.has_pdl(device.index or 0) and not args.no_pdl,  # the graphed rows without --interleaved
         "checks": checks,
     }
     rows = []  # the models timed so far; the report is rewritten after every row (or context, interleaved)
@@ -806,6 +816,7 @@ def main() -> None:
                 args.gemv,
                 tuple(args.paths),
                 timed_so_far,
+                pdl=not args.no_pdl,
             )
     write(complete=True, timings=rows, **sections)
 
