@@ -1,7 +1,7 @@
 """Single-stream decoding on the GPU: compiled PN-Mix vs compiled bf16, ms per token, side by side.
 
     python benchmarks/bench_decode.py --model qwen3-8b [--model llama-3.1-8b] [--out DIR] [--skip-checks]
-        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed [--paths graphed]] [--gemv]
+        [--contexts 1024 32768] [--compiled-only] [--profile] [--graphed [--paths graphed] [--no-pdl]] [--gemv]
     python benchmarks/bench_decode.py --model qwen3-8b --interleaved [--paths reduce-overhead graphed] ...
 
 1. Checks (small, fast): the static cache's in-place flush + append op (Triton) against
