@@ -416,12 +416,12 @@ def time_model(
     gemv=False,
     paths=PATHS,
     timed_so_far=lambda rows: None,
-    pdl=True,
+    graphed_pdl=None,
 ) -> list[dict]:
     """Every variant's rows for ``model_name``, one after the other (module docstring); the
     ``reduce-overhead`` compiled rows only where ``paths`` has that path. ``timed_so_far(rows)`` is called
-    after each row is timed (and each is profiled), with the rows so far. ``pdl``: False captures the
-    graphed rows without programmatic dependent launch (``GraphedDecodeStep(..., pdl=False)``)."""
+    after each row is timed (and each is profiled), with the rows so far. ``graphed_pdl``: the graphed
+    rows' ``GraphedDecodeStep(..., pdl=...)`` (False: captured without programmatic dependent launch)."""
     reduce_overhead = "reduce-overhead" in paths
     model, weight_bytes = random_model(model_name, device, gemv)
     name = cache_arg(model)
@@ -445,7 +445,7 @@ def time_model(
                 cache = StaticCache(config=model.config, max_cache_len=context + WARMUP + STEPS + PROMPT)
                 prefill(model, cache, name)
                 cache_bytes = fill_bf16(cache, context)
-                forward = graphed_forward(model, cache, pdl=None if pdl else False) if "graphed" in variant else compiled_forward()
+                forward = graphed_forward(model, cache, pdl=graphed_pdl) if "graphed" in variant else compiled_forward()
                 yield variant, context, forward, cache, cache_bytes
                 del cache, forward
                 torch.cuda.empty_cache()
@@ -466,7 +466,7 @@ def time_model(
         pnmix_variants = (("pnmix-compiled",) if reduce_overhead else ()) + (("pnmix-graphed",) if graphed else ())
         for variant in pnmix_variants:
             if variant == "pnmix-graphed":
-                forward = graphed_forward(model, static, pdl=None if pdl else False)
+                forward = graphed_forward(model, static, pdl=graphed_pdl)
             for context in contexts:
                 static.reset()
                 prefill(model, static, name)
@@ -816,7 +816,7 @@ def main() -> None:
                 args.gemv,
                 tuple(args.paths),
                 timed_so_far,
-                pdl=not args.no_pdl,
+                graphed_pdl=False if args.no_pdl else None,
             )
     write(complete=True, timings=rows, **sections)
 
