@@ -36,7 +36,7 @@ from pnmix_patch import PNMixConfig, new_cache, patch_model
 from pnmix_patch.kernels.decode_attention import decode_attention, decode_attention_reference, triton_decode_attention
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.reference.quantize import quantize_values
+from pnmix_patch.reference.quantize import key_code_shape, quantize_values
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
@@ -225,8 +225,10 @@ def append_cost(device, batch: int, tokens: int) -> dict:
         torch.randn(batch, heads, RESIDUAL, dim, device=device, dtype=torch.bfloat16),
         zeros(batch, heads, RESIDUAL, dim),
         zeros(batch, dtype=torch.int32),
-        zeros(batch, heads, groups, config.key_bits_high, config.key_group_size // 32, num_high, dtype=torch.int32),
-        zeros(batch, heads, groups, config.key_bits_low, config.key_group_size // 32, dim - num_high, dtype=torch.int32),
+        *(
+            zeros(batch, heads, *key_code_shape(groups, planes, config.key_group_size, channels), dtype=torch.int32)
+            for planes, channels in config.key_code_widths(dim)
+        ),
         zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, dtype=torch.int32),

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pnmix_patch.reference.quantize import quantize_keys, scale_dtype_for
+from pnmix_patch.reference.quantize import key_code_shape, quantize_keys, scale_dtype_for
 
 from .common import compacted_field_word, encode, key_word_distances, minmax_scale_zero, nonempty, transpose_byte_quads
 
@@ -338,10 +338,10 @@ def _empty_outputs(keys, num_high, group_size, bits_high, bits_low):
     """Uninitialized ``(codes_high, codes_low, scale, zero)`` of :func:`pack_keys` for ``keys`` (layout:
     the module docstring)."""
     batch, heads, tokens, head_dim = keys.shape
-    groups, words = tokens // group_size, group_size // 32
+    groups = tokens // group_size
     return (
-        keys.new_empty(batch, heads, groups, bits_high - bits_low, words, num_high, dtype=torch.int32),
-        keys.new_empty(batch, heads, groups, bits_low, words, head_dim, dtype=torch.int32),
+        keys.new_empty(batch, heads, *key_code_shape(groups, bits_high - bits_low, group_size, num_high), dtype=torch.int32),
+        keys.new_empty(batch, heads, *key_code_shape(groups, bits_low, group_size, head_dim), dtype=torch.int32),
         keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
         keys.new_empty(batch, heads, groups, head_dim, dtype=scale_dtype_for(keys.dtype)),
     )

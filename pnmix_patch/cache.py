@@ -49,7 +49,7 @@ from .kernels.pack_values import pack_values
 from .reference.attention import cache_attention, chunk_attention, chunk_validity, key_logits
 from .reference.chanmix import classify_channels, dequantize_class_keys, pack_classes, quantize_class_keys, unpack_classes
 from .reference.polar import dequantize_polar_keys, polar_key_logits, quantize_polar_keys
-from .reference.quantize import channel_order, dequantize_keys, dequantize_values, scale_dtype_for
+from .reference.quantize import channel_order, dequantize_keys, dequantize_values, key_code_shape, scale_dtype_for
 from .reference.selection import (
     PAIRINGS,
     group_channel_masks,
@@ -137,7 +137,7 @@ class PNMixLayer(CacheLayerMixin):
         self.batch_size, self.num_heads, self.head_dim = batch, heads, head_dim
         self.dtype, self.device = key_states.dtype, key_states.device
         self.num_high = pnmix_config.selected_channels(head_dim)
-        self.value_group = pnmix_config.value_group(head_dim) if pnmix_config.quantize else head_dim
+        self.value_group = pnmix_config.value_group(head_dim)
         residual_capacity = pnmix_config.residual_tokens if pnmix_config.quantize else 0
 
         def floats(*shape):
@@ -147,7 +147,6 @@ class PNMixLayer(CacheLayerMixin):
             return torch.zeros(shape, dtype=dtype, device=self.device)
 
         scale_dtype = scale_dtype_for(self.dtype)
-        words = pnmix_config.key_group_size // 32
         self.key_code_names = KEY_CODE_FIELDS[pnmix_config.key_format]
         self.sink_keys, self.sink_values = (
             floats(batch, heads, pnmix_config.sink_tokens, head_dim),
@@ -157,7 +156,7 @@ class PNMixLayer(CacheLayerMixin):
         self.residual_values = floats(batch, heads, residual_capacity, head_dim)
         self.sink_len, self.residual_len, self.num_groups = ints(batch), ints(batch), ints(batch)
         for name, (bits, channels) in zip(self.key_code_names, pnmix_config.key_code_widths(head_dim)):
-            setattr(self, name, ints(batch, heads, 0, bits, words, channels))
+            setattr(self, name, ints(batch, heads, *key_code_shape(0, bits, pnmix_config.key_group_size, channels)))
         if pnmix_config.key_format == "channel_classes":
             self.channel_class_bits = ints(batch, heads, 2, -(-head_dim // 32))
         self.key_scale = torch.zeros(batch, heads, 0, head_dim, dtype=scale_dtype, device=self.device)

@@ -84,7 +84,7 @@ from tqdm.auto import tqdm
 from .api import _decoder_of, _layer_devices, new_cache, patch_state
 from .cache import _STATE, KEY_CODE_FIELDS, PNMixCache
 from .config import PNMixConfig
-from .reference.quantize import channel_order, scale_dtype_for
+from .reference.quantize import channel_order, key_code_shape, scale_dtype_for
 from .static_cache import PNMixStaticCache, PNMixStaticLayer
 
 FORMAT = "pnmix-cache"
@@ -569,8 +569,7 @@ def _expected_shapes(reader, index: int, info: CacheFileInfo, path) -> dict[str,
     scale = scale_dtype_for(dtype)
     units = head_dim if config.selection_unit == "channel" else head_dim // 2
     tracks_queries = config.reselection == "per_group" and config.selection == "qk_pair_norm"
-    words = config.key_group_size // 32
-    value_group = config.value_group(head_dim) if config.quantize else head_dim
+    value_group = config.value_group(head_dim)
     per_group = config.reselection == "per_group"
     want = {
         "sink_keys": ((batch, heads, config.sink_tokens, head_dim), dtype),
@@ -580,7 +579,7 @@ def _expected_shapes(reader, index: int, info: CacheFileInfo, path) -> dict[str,
         "residual_values": ((batch, heads, residual if not config.quantize else config.residual_tokens, head_dim), dtype),
         "residual_len": ((batch,), torch.int32),
         **{
-            name: ((batch, heads, groups, planes, words, channels), torch.int32)
+            name: ((batch, heads, *key_code_shape(groups, planes, config.key_group_size, channels)), torch.int32)
             for name, (planes, channels) in zip(KEY_CODE_FIELDS["channel"], config.key_code_widths(head_dim))
         },
         "key_scale": ((batch, heads, groups, head_dim), scale),

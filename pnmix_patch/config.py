@@ -262,7 +262,14 @@ class PNMixConfig:
         return [(self.key_bits_high - self.key_bits_low, self.selected_channels(head_dim)), (self.key_bits_low, head_dim)]
 
     def value_group(self, head_dim: int) -> int:
-        """Channels per value group for this head dim (the group size, clamped to the head dim)."""
+        """Channels per value group for this head dim: the group size clamped to the head dim, or the
+        head dim for a config that does not quantize (one scale and zero per token, never used).
+
+        Raises:
+            ValueError: the group size neither divides the head dim nor is at least the head dim.
+        """
+        if not self.quantize:
+            return head_dim
         group = min(self.value_group_size, head_dim)
         if head_dim % group:
             raise ValueError(

@@ -209,6 +209,10 @@ def test_value_group_must_divide_head_dim():
     assert "48" in str(info.value) and "64" in str(info.value) and "allowed" in str(info.value)
 
 
+def test_value_group_is_the_head_dim_without_quantization():
+    assert PNMixConfig(quantize=False, value_group_size=48).value_group(64) == 64
+
+
 # ---------------------------------------------------------------- accounting
 
 

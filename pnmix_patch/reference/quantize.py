@@ -211,6 +211,12 @@ def transpose_byte_quads(words: torch.Tensor, dim: int) -> torch.Tensor:
     return words.movedim(-1, dim).contiguous()
 
 
+def key_code_shape(groups: int, planes: int, group_size: int, channels: int) -> tuple[int, int, int, int]:
+    """Shape of one head's packed key codes (the layout table): ``groups`` groups of ``planes`` bit
+    planes, each ``group_size / 32`` int32 words of 32 tokens for each of ``channels`` channels."""
+    return groups, planes, group_size // WORD_BITS, channels
+
+
 _WORD_FROM_TOKEN_DIMS = (0, 2, 5, 4, 7, 8, 1, 6, 3)
 """A thread-owned key word's bits (module docstring, "keys") from a token's dims ``[block, tile, tile
 pair, row half, lane row]`` and a channel's ``[chunk, half, lane column, byte]``: word row ``[block,
