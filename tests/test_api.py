@@ -12,7 +12,7 @@ from conftest import CACHE_KWARG, output_cache, saved_and_loaded, tiny_model
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaModel
 
-from pnmix_patch import PNMixCache, PNMixConfig, PNMixStaticCache, is_patched, new_cache, patch_model, unpatch_model
+from pnmix_patch import PNMixCache, PNMixConfig, PNMixStaticCache, cache_argument, is_patched, new_cache, patch_model, unpatch_model
 
 FLUSHING = PNMixConfig(sink_tokens=4, residual_tokens=32, key_group_size=32, name="flushing")
 
@@ -198,6 +198,7 @@ def test_sampling_generation_runs_through_the_pnmix_cache():
     )
     cache = output_cache(output)
     assert isinstance(cache, PNMixCache) and int(cache.layers[0].num_groups.max()) >= 2
+    assert output[cache_argument(model)] is cache  # the README's way on any transformers version
 
 
 def test_forward_with_user_cache_and_without_cache():
