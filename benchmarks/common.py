@@ -30,7 +30,7 @@ from pnmix_patch import GraphedDecodeStep, PNMixConfig
 from pnmix_patch.kernels.decode_append import decode_append, decode_append_reference
 from pnmix_patch.kernels.pack_keys import pack_keys
 from pnmix_patch.kernels.pack_values import pack_values
-from pnmix_patch.reference.quantize import channel_order, quantize_keys
+from pnmix_patch.reference.quantize import channel_order, key_code_shape, quantize_keys
 
 # ---------------------------------------------------------------------------- timing and reports
 PRESETS = {
@@ -214,7 +214,7 @@ def cache_arg(model) -> str:
 
 
 def check_decode_append(device) -> dict:
-    """The CUDA op (Triton) against the reference on every append/flush/overflow case."""
+    """The CUDA op (Triton) against the reference on every append/flush/overflow case (pnmix-1's layout)."""
     generator = torch.Generator(device="cpu").manual_seed(0)
     batch, heads, dim, group, sinks, residual, group_cap = 5, 8, 128, 128, 32, 128, 4
     order = channel_order(torch.rand(batch, heads, dim, generator=generator).argsort(-1) < 64)  # 64 high channels
@@ -238,8 +238,10 @@ def check_decode_append(device) -> dict:
             randn(batch, heads, residual, dim) * 3,
             randn(batch, heads, residual, dim),
             torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
-            codes(batch, heads, group_cap, 3, group // 32, 64),
-            codes(batch, heads, group_cap, 1, group // 32, 64),
+            *(
+                codes(batch, heads, *key_code_shape(group_cap, planes, group, channels))
+                for planes, channels in PRESETS["pnmix-1"].key_code_widths(dim)
+            ),
             randn(batch, heads, group_cap, dim, dtype=scale_dtype),
             randn(batch, heads, group_cap, dim, dtype=scale_dtype),
             codes(batch, heads, group_cap * group, 2, dim // 32),
