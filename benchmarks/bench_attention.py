@@ -508,6 +508,7 @@ def main() -> None:
     if args.append_only:
         report = {
             "date": time.strftime("%Y-%m-%d"),
+            "commit": code_commit(),
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "command": "python benchmarks/bench_attention.py --append-only",
