@@ -200,25 +200,19 @@ def flush_cost(device, rows) -> list[dict]:
     return results
 
 
-def append_cost(device, batch: int, tokens: int) -> dict:
-    """GPU time of the static cache's decode append (``pnmix::decode_append``, pnmix-1, bf16,
-    Qwen3-8B head shape) for ``batch`` sequences with room for ``tokens``: idle (sinks full,
-    residual half full, no flush: 127 of 128 steps) and flushing (residual full: the buffer
-    is quantized into the next group, then the token appended). Each replay also resets the
-    lengths (one or two small fills, timed alone and reported)."""
-    from pnmix_patch.kernels.decode_append import decode_append
-
+def append_args(device, batch: int, tokens: int) -> list:
+    """Arguments of ``pnmix::decode_append`` (pnmix-1, bf16, Qwen3-8B head shape) for ``batch``
+    sequences with room for ``tokens``: the static cache's storage, sinks full, residual empty."""
     config = PRESETS["pnmix-1"]
     heads, dim, groups = KV_HEADS, HEAD_DIM, tokens // config.key_group_size
-    num_high = config.num_high_channels(HEAD_DIM)
 
     def zeros(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, device=device, dtype=dtype)
 
-    args = [
+    return [
         torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
         torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16),
-        random_order(batch, num_high, device, heads),
+        random_order(batch, config.num_high_channels(dim), device, heads),
         zeros(batch, heads, SINKS, dim),
         zeros(batch, heads, SINKS, dim),
         zeros(batch, dtype=torch.int32) + SINKS,
@@ -232,13 +226,24 @@ def append_cost(device, batch: int, tokens: int) -> dict:
         zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups, dim),
         zeros(batch, heads, groups * config.key_group_size, config.value_bits, dim // 32, dtype=torch.int32),
-        zeros(batch, heads, groups * config.key_group_size, 1),
-        zeros(batch, heads, groups * config.key_group_size, 1),
+        zeros(batch, heads, groups * config.key_group_size, dim // config.value_group(dim)),
+        zeros(batch, heads, groups * config.key_group_size, dim // config.value_group(dim)),
         zeros(batch, dtype=torch.int32),
         zeros(batch, dtype=torch.bool),
         zeros(batch, dtype=torch.int32),
         True,
     ]
+
+
+def append_cost(device, batch: int, tokens: int) -> dict:
+    """GPU time of the static cache's decode append (``pnmix::decode_append``, :func:`append_args`)
+    for ``batch`` sequences with room for ``tokens``: idle (sinks full, residual half full, no
+    flush: 127 of 128 steps) and flushing (residual full: the buffer is quantized into the next
+    group, then the token appended). Each replay also resets the lengths (one or two small fills,
+    timed alone and reported)."""
+    from pnmix_patch.kernels.decode_append import decode_append
+
+    args = append_args(device, batch, tokens)
     residual_len, num_groups = args[8], args[16]
     result = {"batch": batch, "context": tokens}
     for case, residual in (("idle", RESIDUAL // 2), ("flush", RESIDUAL)):
