@@ -1,7 +1,7 @@
 """``model.generate`` against the graphed decode step it replays: per-token time on a CUDA GPU.
 
     python benchmarks/bench_generate.py [--model qwen3-8b] [--model llama-3.1-8b] [--batches 1 32]
-        [--contexts 1024 32768] [--tokens 64] [--skip-reduce-overhead] [--real-model SmolLM2.gguf] [--out DIR]
+        [--contexts 1024 32768] [--tokens 64] [--skip-reduce-overhead] [--real-model smollm2] [--out DIR]
 
 For each model shape (random bf16 weights, PN-Mix ``pnmix-1`` with ``patch_gemv``), batch and context, one
 static PN-Mix cache is prefilled (64 tokens) and filled to the context (``common.fill_pnmix``), then timed
@@ -20,7 +20,7 @@ pairs of calls), so the one-token prefill of the pre-filled cache and the call's
 end-of-text token is an id outside the vocabulary: the stop check runs on every token, as in a user's call,
 and never ends a generation of random weights early (``min_new_tokens`` would add a logits processor).
 
-``--real-model`` (a GGUF file, e.g. SmolLM2-135M-Instruct): greedy tokens of ``generate`` through the graphed
+``--real-model`` (``smollm2``, the embedded SmolLM2-135M-Instruct, or a GGUF file): greedy tokens of ``generate`` through the graphed
 compiled call against eager decoding on the same static cache (``disable_compile=True``) and on the dynamic
 cache, 200 new tokens after a chat prompt: equal, or the first position where they part.
 
@@ -133,16 +133,13 @@ def time_shape(model_name, batches, contexts, tokens, write, rows, reduce_overhe
     torch.cuda.empty_cache()
 
 
-def real_model_tokens(path: str, new_tokens: int = 200, device: str = "cuda") -> dict:
-    """Greedy tokens of the graphed compiled generate against eager decoding, on a real model."""
-    from transformers import AutoTokenizer, GgufConfig
+def real_model_tokens(name_or_path: str, new_tokens: int = 200, device: str = "cuda") -> dict:
+    """Greedy tokens of the graphed compiled generate against eager decoding, on a real model
+    (``pnmix_patch.eval.models.load_model``'s names: ``smollm2``, a ``.gguf`` file, a folder), bf16."""
+    from pnmix_patch.eval.models import load_model
 
-    folder, file = str(Path(path).parent), Path(path).name
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=file, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16
-    ).to(device)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    patch_model(model.eval(), "pnmix-1")
+    model, tokenizer = load_model(name_or_path, dtype=torch.bfloat16, device=device)
+    patch_model(model, "pnmix-1")
     messages = [{"role": "user", "content": "Explain step by step how a hash map handles collisions, with an example in Python."}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
     settings = dict(
@@ -196,7 +193,9 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 32768])
     parser.add_argument("--tokens", type=int, default=64, help=f"new tokens of the long generate call (> {SHORT})")
     parser.add_argument("--skip-reduce-overhead", action="store_true", help="time generate through its graphed call only")
-    parser.add_argument("--real-model", help="a GGUF file: greedy tokens of the graphed generate against eager ones")
+    parser.add_argument(
+        "--real-model", help="'smollm2' (the embedded model) or a GGUF file: greedy tokens of the graphed generate against eager ones"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--tag", default="")
     args = parser.parse_args()
