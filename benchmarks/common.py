@@ -112,7 +112,7 @@ def key_packing_matches(config: PNMixConfig, keys: torch.Tensor, order: torch.Te
     """Whether the key packer (``pack_keys``) writes exactly the PyTorch reference's words, scales and
     zeros (``quantize_keys``, on the same device) for ``config`` and the channel ``order`` (selected
     channels first)."""
-    num_high = config.num_high_channels(HEAD_DIM)
+    num_high = config.num_high_channels(keys.shape[-1])
     bits = (config.key_bits_high, config.key_bits_low)
     mask = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order[..., :num_high], True)
     got = pack_keys(keys, order, num_high, config.key_group_size, *bits, True)
@@ -216,8 +216,10 @@ def cache_arg(model) -> str:
 def check_decode_append(device) -> dict:
     """The CUDA op (Triton) against the reference on every append/flush/overflow case (pnmix-1's layout)."""
     generator = torch.Generator(device="cpu").manual_seed(0)
-    batch, heads, dim, group, sinks, residual, group_cap = 5, 8, 128, 128, 32, 128, 4
-    order = channel_order(torch.rand(batch, heads, dim, generator=generator).argsort(-1) < 64)  # 64 high channels
+    config = PRESETS["pnmix-1"]
+    batch, heads, dim, sinks, residual, group_cap = 5, 8, 128, 32, 128, 4
+    group = config.key_group_size
+    order = channel_order(torch.rand(batch, heads, dim, generator=generator).argsort(-1) < config.num_high_channels(dim))
     results = {}
     for dtype in (torch.bfloat16, torch.float16):
 
@@ -238,13 +240,10 @@ def check_decode_append(device) -> dict:
             randn(batch, heads, residual, dim) * 3,
             randn(batch, heads, residual, dim),
             torch.tensor([0, 17, 128, 128, 128], dtype=torch.int32),
-            *(
-                codes(batch, heads, *key_code_shape(group_cap, planes, group, channels))
-                for planes, channels in PRESETS["pnmix-1"].key_code_widths(dim)
-            ),
+            *(codes(batch, heads, *key_code_shape(group_cap, planes, group, channels)) for planes, channels in config.key_code_widths(dim)),
             randn(batch, heads, group_cap, dim, dtype=scale_dtype),
             randn(batch, heads, group_cap, dim, dtype=scale_dtype),
-            codes(batch, heads, group_cap * group, 2, dim // 32),
+            codes(batch, heads, group_cap * group, config.value_bits, dim // 32),
             randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
             randn(batch, heads, group_cap * group, 1, dtype=scale_dtype),
             torch.tensor([0, 1, 0, 3, 4], dtype=torch.int32),
