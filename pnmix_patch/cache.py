@@ -189,6 +189,7 @@ class PNMixLayer(CacheLayerMixin):
 
     # ------------------------------------------------------------ transformers API
     def update(self, key_states, value_states, *args, **kwargs):
+        """Not supported: PN-Mix attention writes and reads this layer itself (raises ``NotImplementedError``)."""
         raise NotImplementedError(
             "A PN-Mix cache layer is read and written by PN-Mix attention (PNMixLayer.attend), which returns the "
             "attention output directly; it never hands full key/value tensors back. Patch the model with "
