@@ -45,6 +45,7 @@ DETAILS = {
     ("GPU Speed Of Light Throughput", "SM Frequency"): "sm_frequency",
     ("GPU Speed Of Light Throughput", "DRAM Throughput"): "dram_throughput",
     ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"): "sm_throughput",
+    ("GPU Speed Of Light Throughput", "L1/TEX Cache Throughput"): "l1_throughput",
     ("Compute Workload Analysis", "Issue Slots Busy"): "issue_slots_busy",
     ("Scheduler Statistics", "No Eligible"): "no_eligible",
     ("Scheduler Statistics", "Active Warps Per Scheduler"): "active_warps_per_scheduler",
@@ -160,11 +161,13 @@ def summarize_lines(path: Path, top: int = 15) -> list[dict]:
 
 
 def summarize(directory: Path, preset: str) -> dict:
-    """The summary of one preset's three exports in ``directory`` (see :func:`export`)."""
+    """The summary of one preset's exports in ``directory`` (see :func:`export`); without the source-line
+    export, no lines."""
+    lines = directory / f"lines_{preset}.csv"
     return {
         "metrics": read_details(directory / f"details_{preset}.csv"),
         **summarize_sass(directory / f"sass_{preset}.csv"),
-        "lines": summarize_lines(directory / f"lines_{preset}.csv"),
+        "lines": summarize_lines(lines) if lines.exists() else [],
     }
 
 
