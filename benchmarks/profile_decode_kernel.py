@@ -11,14 +11,15 @@ benchmarks run), exports its metrics and per-instruction stall samples as CSV, a
   shared memory, shuffles or MUFU; ``wait``: a fixed-latency dependency; ``selected``: issuing);
 - the opcodes and the source lines (Python lines of the kernel) with the most samples.
 
-The summary (``profile_decode_kernel.json``) and the printed tables go to ``--out``; the CSVs to
-``--out/ncu`` (large; not kept in ``results``). ``--summarize DIR`` prints the summary of CSVs exported before.
+The summary (``profile_decode_kernel.json``) goes to ``--out``; the CSVs (about 2 MB a preset) to
+``--csv-dir``, outside the repository by default. ``--summarize DIR`` prints the summary of CSVs
+exported before.
 Needs ``ncu`` (CUDA toolkit) and a GPU with the Gluon kernel (compute capability 9.0 and up).
 
 Usage::
 
-    python benchmarks/profile_decode_kernel.py [--presets pnmix-1 pnmix-2] [--batch 32] [--context 32768] [--out DIR]
-    python benchmarks/profile_decode_kernel.py --summarize DIR [--out DIR]
+    python benchmarks/profile_decode_kernel.py [--presets pnmix-1 pnmix-2] [--batch 32] [--context 32768] [--out DIR] [--csv-dir DIR]
+    python benchmarks/profile_decode_kernel.py --summarize DIR [--presets ...]
 """
 
 from __future__ import annotations
@@ -206,21 +207,22 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--csv-dir", default=str(Path(tempfile.gettempdir()) / "pnmix_ncu"), help="where the CSV exports go")
     parser.add_argument("--summarize", metavar="DIR", help="summarize the CSVs in DIR (exported before) instead of profiling")
     parser.add_argument("--target", choices=sorted(PRESETS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.target:
         return run_target(args.target, args.batch, args.context)
-    if os.environ.get("TRITON_INTERPRET", "0") != "0" and not args.summarize:
-        parser.error("the profile runs the compiled kernel: unset TRITON_INTERPRET")
     if args.summarize:  # printed only: the JSON names the run that profiled
         for preset in args.presets:
             print_summary(preset, summarize(Path(args.summarize), preset))
         return
-    ncu = shutil.which("ncu") or next((p for p in ["/usr/local/cuda/bin/ncu"] if Path(p).exists()), None)
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        parser.error("the profile runs the compiled kernel: unset TRITON_INTERPRET")
+    ncu = shutil.which("ncu") or shutil.which("ncu", path="/usr/local/cuda/bin")
     if ncu is None or not torch.cuda.is_available():
         parser.error("needs Nsight Compute's ncu on PATH (or in /usr/local/cuda/bin) and a CUDA GPU")
-    csv_dir = Path(args.out) / "ncu"
+    csv_dir = Path(args.csv_dir)
     csv_dir.mkdir(parents=True, exist_ok=True)
     write = report_writer(args.out, "profile_decode_kernel.json", "benchmarks/profile_decode_kernel.py")
     shape = {"batch": args.batch, "context": args.context, "dtype": "bfloat16", "kernel": KERNEL}
