@@ -187,18 +187,21 @@ def export(ncu: str, preset: str, batch: int, context: int, directory: Path) -> 
                 subprocess.run([ncu, "-i", f"{report}.ncu-rep", "--csv", *page], stdout=file, check=True)
 
 
+def listed(percents: dict) -> str:
+    """``{reason: percent}`` as one line: ``long_sb 19.8, wait 17.6``."""
+    return ", ".join(f"{reason} {percent}" for reason, percent in percents.items())
+
+
 def print_summary(preset: str, summary: dict) -> None:
     metrics = summary["metrics"]
     print(f"\n== {preset}: " + ", ".join(f"{name} {value:g} {unit}".strip() for name, (value, unit) in metrics.items()))
-    print("stall reasons (% of samples): " + ", ".join(f"{k} {v}" for k, v in summary["stall_reasons_percent"].items()))
+    print("stall reasons (% of samples): " + listed(summary["stall_reasons_percent"]))
     print(f"{'opcode':12s} {'samples %':>9s} {'instr %':>8s}  top stalls (% of all samples)")
     for row in summary["opcodes"]:
-        stalls = ", ".join(f"{k} {v}" for k, v in row["top_stalls_percent"].items())
-        print(f"{row['opcode']:12s} {row['samples_percent']:9.1f} {row['instructions_percent']:8.1f}  {stalls}")
+        print(f"{row['opcode']:12s} {row['samples_percent']:9.1f} {row['instructions_percent']:8.1f}  {listed(row['top_stalls_percent'])}")
     print(f"{'line':30s} {'samples %':>9s}  source | top stalls")
     for row in summary["lines"]:
-        stalls = ", ".join(f"{k} {v}" for k, v in row["top_stalls_percent"].items())
-        print(f"{row['line']:30s} {row['samples_percent']:9.1f}  {row['source'][:70]} | {stalls}")
+        print(f"{row['line']:30s} {row['samples_percent']:9.1f}  {row['source'][:70]} | {listed(row['top_stalls_percent'])}")
 
 
 def main() -> None:
