@@ -25,6 +25,7 @@ WIDE_LAYOUTS = {
     "g256": (0.5, 256, 3, 1),  # pnmix-1's widths, groups of two 128-token steps
     "4-4": (1.0, 128, 4, 4),  # every channel at 4 bits: the largest integer key sums
     "r25": (0.25, 128, 3, 1),  # pnmix-1's widths, 32 of 128 channels selected: a key tile of 2-bit fields and a plane
+    "r40": (0.4, 128, 3, 1),  # pnmix-2's channels (52 of 128: a compacted last chunk) in 128-token groups
 }
 
 

@@ -379,6 +379,7 @@ CUDA_CASES = [
     ("pnmix-1", 128, 1, torch.bfloat16),
     ("pnmix-1", 128, 7, torch.float16),
     ("pnmix-2", 128, 4, torch.bfloat16),
+    ("r40", 128, 4, torch.float16),
     ("r0", 64, 7, torch.float16),
     ("kivi-2", 128, 4, torch.bfloat16),
     ("kivi-2", 64, 1, torch.float16),
