@@ -1,5 +1,5 @@
 """The benchmarks' hand-built cache storage has the cache's current layout; the kernel profile's summary
-reads Nsight Compute's CSV exports.
+reads Nsight Compute's CSV exports; the presets benchmark loads other versions of the Gluon kernel's file.
 
 The GPU benchmarks build some storage tensors by hand; these tests run those set-ups on CPU, where
 the ops are the PyTorch references, so a layout change that a benchmark missed fails here (a shape
@@ -7,6 +7,8 @@ error in the reference) instead of on the GPU.
 """
 
 import csv
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
+import bench_attention_presets  # noqa: E402
 import common  # noqa: E402
 import profile_decode_kernel  # noqa: E402
 
@@ -79,3 +82,31 @@ def test_the_kernel_profile_summary_reads_ncu_csv_exports(tmp_path):
         ("k.py:7", "p = p * s", 75.0),
         ("standard.py:170", "return core.maximum(a, b)", 25.0),
     ]
+
+
+def test_the_presets_benchmark_rejects_a_kernel_file_it_cannot_time(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no file"):
+        bench_attention_presets.load_kernel(str(tmp_path / "missing.py"), 0)
+    other = tmp_path / "other.py"
+    other.write_text("def supports(*args):\n    return False\n")
+    with pytest.raises(ValueError, match="has no mma_decode_attention"):
+        bench_attention_presets.load_kernel(str(other), 1)
+
+
+def test_the_presets_benchmark_loads_and_builds_another_kernel_file(tmp_path):
+    """A copy of the kernel's file, loaded as the benchmark loads ``--kernels`` files (its relative
+    imports resolved in the kernels package), builds for sm_90 (a separate process without the
+    interpreter, which replaces the language functions the compiler needs)."""
+    copy = tmp_path / "decode_attention_mma_copy.py"
+    copy.write_text(Path(bench_attention_presets.decode_attention_mma.__file__).read_text())
+    code = (
+        "import sys, torch; sys.path.insert(0, 'benchmarks'); import bench_attention_presets as b; "
+        f"m = b.load_kernel({str(copy)!r}, 0); "
+        "c = m.compile_offline(128, 4, 128, 64, 3, 1, 2, torch.bfloat16); "
+        "print(m.__name__, m.__file__ == sys.argv[1], c.asm['ptx'].count('mma.sync.aligned.m16n8k32') > 0)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code, str(copy)], env=env, cwd=root, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-3:] == ["pnmix_patch.kernels._timed_version_0", "True", "True"]
