@@ -30,14 +30,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-if os.environ.get("TRITON_INTERPRET", "0") != "0":
-    sys.exit("bench_kernel_instructions.py compiles the kernel: run it without TRITON_INTERPRET=1")
+import torch
+import triton
+from common import HEAD_DIM, KV_HEADS, PNMIX2_FACTORS, Q_HEADS, report_writer
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from common import HEAD_DIM, KV_HEADS, PNMIX2_FACTORS, Q_HEADS, report_writer  # noqa: E402
-
-from pnmix_patch.kernels import decode_attention_mma as mma  # noqa: E402
+from pnmix_patch.kernels import decode_attention_mma as mma
 
 SOURCE = Path(mma.__file__)
 ADDRESS = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -61,8 +58,10 @@ def instructions(sass: str) -> tuple[list[tuple[int, str, int]], dict[str, int]]
     found, labels, line, pending = [], {}, -1, []
     for text in sass.splitlines():
         if match := LINE.search(text):
-            # By file name: Triton's cache may hold a build made from another copy of the file.
-            line = int(match.group(2)) if Path(match.group(1)).name == SOURCE.name else -1
+            # Any file outside Triton's package is the kernel's source: Triton's cache may hold a build
+            # made from another copy of the same text (a clone's, or one that bench_attention_presets.py
+            # --kernels loaded under another name).
+            line = -1 if "triton" in Path(match.group(1)).parent.parts else int(match.group(2))
         elif match := LABEL.match(text.strip()):
             pending.append(match.group(1))
         elif match := ADDRESS.match(text):
@@ -130,6 +129,8 @@ def count(config) -> dict:
 
 
 def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") != "0":
+        sys.exit("bench_kernel_instructions.py compiles the kernel: run it without TRITON_INTERPRET=1")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     args = parser.parse_args()

@@ -1,5 +1,6 @@
 """The benchmarks' hand-built cache storage has the cache's current layout; the kernel profile's summary
-reads Nsight Compute's CSV exports; the presets benchmark loads other versions of the Gluon kernel's file.
+reads Nsight Compute's CSV exports; the presets benchmark loads other versions of the Gluon kernel's file;
+the instruction count attributes machine code to the kernel's source lines.
 
 The GPU benchmarks build some storage tensors by hand; these tests run those set-ups on CPU, where
 the ops are the PyTorch references, so a layout change that a benchmark missed fails here (a shape
@@ -18,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench_attention  # noqa: E402
 import bench_attention_presets  # noqa: E402
+import bench_kernel_instructions  # noqa: E402
 import common  # noqa: E402
 import profile_decode_kernel  # noqa: E402
 
@@ -110,3 +112,18 @@ def test_the_presets_benchmark_loads_and_builds_another_kernel_file(tmp_path):
     result = subprocess.run([sys.executable, "-c", code, str(copy)], env=env, cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split()[-3:] == ["pnmix_patch.kernels._timed_version_0", "True", "True"]
+
+
+def test_the_instruction_count_reads_any_copy_of_the_kernel_source_as_its_own():
+    """Line info naming the kernel's file under another path or name (a cached build of the same text)
+    counts as the kernel's; Triton's library files do not."""
+    sass = "\n".join([
+        '\t//## File "/elsewhere/kernels/decode_attention_mma.py", line 12',
+        "        /*0010*/                   FMUL R1, R2, R3 ;",
+        '\t//## File "/repo/.stage/new_mma.py", line 34',
+        "        /*0020*/                   LOP3.LUT R4, R4, R5, RZ, 0xc0, !PT ;",
+        '\t//## File "/venv/lib/python3.11/site-packages/triton/language/standard.py", line 170',
+        "        /*0030*/                   SHFL.BFLY PT, R6, R7, 0x1, 0x1f ;",
+    ])  # fmt: skip
+    found, _ = bench_kernel_instructions.instructions(sass)
+    assert [line for *_, line in found] == [12, 34, -1]
